@@ -1,0 +1,25 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both create .venv if it is
+# missing and install the project into it (not editable: twistd finds its plugin in
+# site-packages/twisted/plugins/, which an editable install does not provide).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install lint bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/python -m pip install --quiet ".[test]"
+
+demo: install
+	$(BIN)/twistd --nodaemon --pidfile= homelab-gateway --demo
+
+test: install
+	$(BIN)/ruff check src tests twisted bench
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python -m bench

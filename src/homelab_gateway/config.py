@@ -1,0 +1,322 @@
+"""The gateway's configuration: a TOML file read with tomllib into frozen dataclasses.
+
+Every mistake a user can make in the file becomes one `ConfigError` whose text names the file,
+the key and what is wrong, so start-up can fail with a single readable line instead of a
+traceback. Nothing here touches the network or the reactor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
+
+
+class ConfigError(Exception):
+    """A user mistake in the configuration, worded for a person reading one log line."""
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    name: str
+    url: str
+    slots: int
+    api_key: str | None = None
+    connect_timeout: float = 10.0
+    idle_timeout: float = 300.0
+    queue_limit: int = 64
+    queue_timeout: float = 600.0
+    continuous_usage_stats: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    upstream: str
+    upstream_model: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    map_thinking: bool = False
+    map_effort: bool = False
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    prefix: str
+    upstream: str | None = None
+    url: str | None = None
+    connect_timeout: float = 10.0
+    idle_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = DEFAULT_LISTEN
+    ping_interval: float = 10.0
+    max_body_bytes: int = 10 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    upstreams: Mapping[str, UpstreamConfig]
+    models: Mapping[str, ModelConfig]
+    routes: tuple[RouteConfig, ...] = ()
+
+
+class _Section:
+    """Reads one TOML table, remembering its dotted path so errors can name the exact key."""
+
+    def __init__(self, source: str, path: str, table: Any) -> None:
+        self.source = source
+        self.path = path
+        if not isinstance(table, dict):
+            raise self.error("", f"must be a table, got {_describe(table)}")
+        self.table: dict[str, Any] = table
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def error(self, name: str, message: str) -> ConfigError:
+        where = self.key(name) if name else self.path
+        return ConfigError(f"{self.source}: {where}: {message}")
+
+    def reject_unknown(self, allowed: set[str]) -> None:
+        for name in self.table:
+            if name not in allowed:
+                known = ", ".join(sorted(allowed))
+                raise self.error(name, f"unknown key (known keys: {known})")
+
+    def string(self, name: str, default: str | None = None, *, required: bool = False) -> Any:
+        value = self.table.get(name, default)
+        if value is None:
+            if required:
+                raise self.error(name, "is required")
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.error(name, f"must be a non-empty string, got {_describe(value)}")
+        return value
+
+    def integer(
+        self, name: str, default: int | None, *, minimum: int = 1, required: bool = False
+    ) -> Any:
+        value = self.table.get(name, default)
+        if value is None:
+            if required:
+                raise self.error(name, "is required")
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(name, f"must be an integer >= {minimum}, got {_describe(value)}")
+        return value
+
+    def seconds(self, name: str, default: float) -> float:
+        value = self.table.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise self.error(name, f"must be a positive number of seconds, got {_describe(value)}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.table.get(name, default)
+        if not isinstance(value, bool):
+            raise self.error(name, f"must be true or false, got {_describe(value)}")
+        return value
+
+    def url(self, name: str) -> str:
+        value = self.string(name, required=True)
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise self.error(name, f"must be an http:// or https:// URL, got {value!r}")
+        try:
+            parts.port  # noqa: B018 - urlsplit validates the port lazily
+        except ValueError as e:
+            raise self.error(name, f"has a bad port: {value!r}") from e
+        if parts.query or parts.fragment:
+            raise self.error(name, f"must not have a query or fragment, got {value!r}")
+        return value.rstrip("/")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return repr(value)
+
+
+def load_config(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> Config:
+    """Read and validate the file at `path`; raise ConfigError naming the first problem."""
+    source = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read: {e.strerror}") from None
+    try:
+        document = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    return parse_config(document, source=source, environ=os.environ if environ is None else environ)
+
+
+def parse_config(
+    document: Mapping[str, Any], *, source: str = "<config>", environ: Mapping[str, str]
+) -> Config:
+    top = _Section(source, "", dict(document))
+    top.reject_unknown({"server", "upstreams", "models", "routes"})
+    server = _parse_server(_Section(source, "server", top.table.get("server", {})))
+
+    upstream_tables = _Section(source, "upstreams", top.table.get("upstreams", {}))
+    upstreams = {
+        name: _parse_upstream(name, _Section(source, f"upstreams.{_quote(name)}", table), environ)
+        for name, table in upstream_tables.table.items()
+    }
+    model_tables = _Section(source, "models", top.table.get("models", {}))
+    models = {
+        name: _parse_model(name, _Section(source, f"models.{_quote(name)}", table), upstreams)
+        for name, table in model_tables.table.items()
+    }
+
+    raw_routes = top.table.get("routes", [])
+    if not isinstance(raw_routes, list):
+        raise top.error("routes", "must be an array of tables ([[routes]])")
+    routes = tuple(
+        _parse_route(_Section(source, f"routes[{i}]", table), upstreams)
+        for i, table in enumerate(raw_routes)
+    )
+    prefixes = [route.prefix for route in routes]
+    for i, prefix in enumerate(prefixes):
+        if prefix in prefixes[:i]:
+            raise ConfigError(f"{source}: routes[{i}].prefix: {prefix!r} is used by another route")
+    return Config(server=server, upstreams=upstreams, models=models, routes=routes)
+
+
+def _quote(name: str) -> str:
+    bare = name.replace("-", "").replace("_", "").isalnum()
+    return name if bare else f'"{name}"'
+
+
+def _parse_server(section: _Section) -> ServerConfig:
+    section.reject_unknown({"listen", "ping_interval", "max_body_bytes"})
+    listen = section.string("listen", DEFAULT_LISTEN)
+    check_endpoint(listen, lambda message: section.error("listen", message))
+    return ServerConfig(
+        listen=listen,
+        ping_interval=section.seconds("ping_interval", 10.0),
+        max_body_bytes=section.integer("max_body_bytes", 10 * 1024 * 1024),
+    )
+
+
+def check_endpoint(description: str, error: Any) -> None:
+    """Reject a listen string that Twisted could not parse, before the reactor runs.
+
+    `serverFromString` only builds the endpoint object (nothing listens until `.listen`), so it
+    is safe to call with no reactor; a typo then fails start-up naming the key rather than with
+    a traceback from deep in twistd.
+    """
+    from twisted.internet.endpoints import serverFromString
+
+    try:
+        serverFromString(None, description)
+    except (ValueError, TypeError, KeyError) as e:
+        raise error(f"bad endpoint string {description!r}: {e}") from None
+    port = re.match(r"(?i)tcp6?:(\d+)", description)
+    if port and int(port.group(1)) > 65535:
+        raise error(f"bad endpoint string {description!r}: port must be 0-65535")
+
+
+def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) -> UpstreamConfig:
+    section.reject_unknown(
+        {
+            "url",
+            "slots",
+            "api_key_env",
+            "connect_timeout",
+            "idle_timeout",
+            "queue_limit",
+            "queue_timeout",
+            "continuous_usage_stats",
+        }
+    )
+    api_key = None
+    key_env = section.string("api_key_env")
+    if key_env is not None:
+        api_key = environ.get(key_env)
+        if not api_key:
+            raise section.error("api_key_env", f"environment variable {key_env} is not set")
+    return UpstreamConfig(
+        name=name,
+        url=section.url("url"),
+        slots=section.integer("slots", None, required=True),
+        api_key=api_key,
+        connect_timeout=section.seconds("connect_timeout", 10.0),
+        idle_timeout=section.seconds("idle_timeout", 300.0),
+        queue_limit=section.integer("queue_limit", 64, minimum=0),
+        queue_timeout=section.seconds("queue_timeout", 600.0),
+        continuous_usage_stats=section.boolean("continuous_usage_stats", True),
+    )
+
+
+def _known_upstream(section: _Section, upstreams: Mapping[str, UpstreamConfig]) -> str:
+    name = section.string("upstream", required=True)
+    if name not in upstreams:
+        known = ", ".join(sorted(upstreams)) or "none are configured"
+        raise section.error("upstream", f"names unknown upstream {name!r} (known: {known})")
+    return name
+
+
+def _parse_model(
+    name: str, section: _Section, upstreams: Mapping[str, UpstreamConfig]
+) -> ModelConfig:
+    section.reject_unknown(
+        {"upstream", "upstream_model", "params", "max_tokens", "map_thinking", "map_effort"}
+    )
+    params = section.table.get("params", {})
+    if not isinstance(params, dict):
+        raise section.error("params", f"must be a table, got {_describe(params)}")
+    return ModelConfig(
+        name=name,
+        upstream=_known_upstream(section, upstreams),
+        upstream_model=section.string("upstream_model", name),
+        params=params,
+        max_tokens=section.integer("max_tokens", None),
+        map_thinking=section.boolean("map_thinking", False),
+        map_effort=section.boolean("map_effort", False),
+    )
+
+
+def _parse_route(section: _Section, upstreams: Mapping[str, UpstreamConfig]) -> RouteConfig:
+    section.reject_unknown({"prefix", "upstream", "url", "connect_timeout", "idle_timeout"})
+    prefix = section.string("prefix", required=True)
+    if not prefix.startswith("/") or not prefix.endswith("/") or prefix == "/":
+        raise section.error("prefix", f"must start and end with '/' and not be '/', got {prefix!r}")
+    if prefix.startswith(("/llm/", "/healthz/")):
+        raise section.error("prefix", f"{prefix!r} is reserved for the gateway's own endpoints")
+    has_upstream = "upstream" in section.table
+    has_url = "url" in section.table
+    if has_upstream == has_url:
+        raise section.error("", "needs exactly one of 'upstream' or 'url'")
+    if has_upstream:
+        name = _known_upstream(section, upstreams)
+        upstream = upstreams[name]
+        return RouteConfig(
+            prefix=prefix,
+            upstream=name,
+            connect_timeout=section.seconds("connect_timeout", upstream.connect_timeout),
+            idle_timeout=section.seconds("idle_timeout", upstream.idle_timeout),
+        )
+    return RouteConfig(
+        prefix=prefix,
+        url=section.url("url"),
+        connect_timeout=section.seconds("connect_timeout", 10.0),
+        idle_timeout=section.seconds("idle_timeout", 300.0),
+    )

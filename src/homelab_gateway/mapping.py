@@ -1,0 +1,426 @@
+"""Anthropic Messages requests in, OpenAI chat-completions requests out, with no I/O.
+
+Validation and mapping are one pass so that every 400 names the exact field that is wrong
+(`messages.2.content.0.source.data: ...`), the way the Anthropic API words it. Fields a real
+client sends that have no upstream equivalent (cache_control, context_management, betas, ...)
+are ignored rather than rejected: Claude Code and the SDKs send more than the documented minimum.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from homelab_gateway.config import ModelConfig
+
+IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
+CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens itself
+
+
+class InvalidRequest(Exception):
+    """A client mistake, answered as 400 invalid_request_error with this text."""
+
+
+@dataclass(frozen=True)
+class MappedRequest:
+    model: str  # the name the client sent, echoed back in every answer
+    stream: bool
+    body: dict[str, Any]  # the OpenAI request for the upstream
+    stop_sequences: tuple[str, ...]
+    estimated_input_tokens: int
+
+
+def request_model(body: Any) -> str:
+    """The client's model name, checked first so an unknown model can be a 404."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(f"model: must be a non-empty string, got {_kind(model)}")
+    return model
+
+
+def map_request(
+    body: Mapping[str, Any],
+    model: ModelConfig,
+    *,
+    continuous_usage_stats: bool = True,
+    count_only: bool = False,
+) -> MappedRequest:
+    """Validate `body` and build the upstream request; raise InvalidRequest naming the field.
+
+    `count_only` is the count_tokens endpoint: max_tokens is not required there.
+    """
+    client_model = request_model(body)
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        messages.append({"role": "system", "content": _system_text(system, "system")})
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise InvalidRequest(f"messages: must be a non-empty array, got {_kind(raw_messages)}")
+    previous_tool_ids: set[str] = set()
+    for i, message in enumerate(raw_messages):
+        previous_tool_ids = _message(message, f"messages.{i}", previous_tool_ids, messages)
+
+    out: dict[str, Any] = {"model": model.upstream_model, "messages": messages}
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None or not count_only:
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {_kind(max_tokens)}")
+        out["max_tokens"] = min(max_tokens, model.max_tokens or max_tokens)
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"stream: must be a boolean, got {_kind(stream)}")
+    out["stream"] = True  # always: one translation path, and idle/cancel work mid-generation
+    out["stream_options"] = {"include_usage": True}
+    if continuous_usage_stats:
+        out["stream_options"]["continuous_usage_stats"] = True
+
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None:
+            if not _is_number(value) or value < 0:
+                raise InvalidRequest(f"{name}: must be a number >= 0, got {_kind(value)}")
+            out[name] = value
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < 0:
+            raise InvalidRequest(f"top_k: must be an integer >= 0, got {_kind(top_k)}")
+        out["top_k"] = top_k
+
+    stop_sequences = _stop_sequences(body.get("stop_sequences"))
+    if stop_sequences:
+        out["stop"] = list(stop_sequences)
+
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise InvalidRequest(f"metadata: must be an object, got {_kind(metadata)}")
+        user_id = metadata.get("user_id")
+        if user_id is not None:
+            if not isinstance(user_id, str):
+                raise InvalidRequest(f"metadata.user_id: must be a string, got {_kind(user_id)}")
+            out["user"] = user_id
+
+    tools = body.get("tools")
+    if tools is not None:
+        out["tools"] = _tools(tools)
+    tool_choice = body.get("tool_choice")
+    if tool_choice is not None:
+        _tool_choice(tool_choice, out)
+
+    _thinking(body.get("thinking"), model, out)
+    _effort(body.get("output_config"), model, out)
+
+    estimate = _estimate_tokens(messages, out.get("tools"))
+    return MappedRequest(
+        model=client_model,
+        stream=stream,
+        body=_merge(model.params, out),
+        stop_sequences=stop_sequences,
+        estimated_input_tokens=estimate,
+    )
+
+
+def _message(
+    message: Any, where: str, previous_tool_ids: set[str], out: list[dict[str, Any]]
+) -> set[str]:
+    """Append the OpenAI messages for one Anthropic message; return the tool ids it calls."""
+    if not isinstance(message, Mapping):
+        raise InvalidRequest(f"{where}: must be an object, got {_kind(message)}")
+    role = message.get("role")
+    content = message.get("content")
+    if role == "system":  # Claude Code sends these inside messages; vLLM takes them in place
+        out.append({"role": "system", "content": _system_text(content, f"{where}.content")})
+        return previous_tool_ids
+    if role not in ("user", "assistant"):
+        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant', got {_kind(role)}")
+    if isinstance(content, str):
+        out.append({"role": role, "content": content})
+        return set()
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content: must be a string or an array, got {_kind(content)}")
+    if role == "assistant":
+        return _assistant(content, f"{where}.content", out)
+    _user(content, f"{where}.content", previous_tool_ids, out)
+    return set()
+
+
+def _assistant(blocks: list[Any], where: str, out: list[dict[str, Any]]) -> set[str]:
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = _block_type(block, f"{where}.{j}")
+        if kind == "text":
+            text.append(_string(block, "text", f"{where}.{j}"))
+        elif kind == "tool_use":
+            call_id = _string(block, "id", f"{where}.{j}", nonempty=True)
+            name = _string(block, "name", f"{where}.{j}", nonempty=True)
+            arguments = block.get("input", {})
+            if not isinstance(arguments, Mapping):
+                raise InvalidRequest(f"{where}.{j}.input: must be an object, got {_kind(arguments)}")
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(arguments)},
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier reasoning is the client's record; upstreams do not take it back
+        else:
+            raise _unsupported_block(kind, f"{where}.{j}", "assistant")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text else None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""
+    out.append(message)
+    return {call["id"] for call in calls}
+
+
+def _user(
+    blocks: list[Any], where: str, tool_ids: set[str], out: list[dict[str, Any]]
+) -> None:
+    parts: list[dict[str, Any]] = []
+    tool_images: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = _block_type(block, f"{where}.{j}")
+        if kind == "text":
+            parts.append({"type": "text", "text": _string(block, "text", f"{where}.{j}")})
+        elif kind == "image":
+            parts.append(_image(block, f"{where}.{j}"))
+        elif kind == "tool_result":
+            tool_id = _string(block, "tool_use_id", f"{where}.{j}", nonempty=True)
+            if tool_id not in tool_ids:
+                raise InvalidRequest(
+                    f"{where}.{j}.tool_use_id: {tool_id!r} answers no tool_use in the "
+                    "previous assistant message"
+                )
+            text, images = _tool_result_content(block.get("content", ""), f"{where}.{j}.content")
+            out.append({"role": "tool", "tool_call_id": tool_id, "content": text})
+            tool_images.extend(images)
+        else:
+            raise _unsupported_block(kind, f"{where}.{j}", "user")
+    # OpenAI tool messages carry text only: images a tool returned follow in a user message.
+    parts = tool_images + parts
+    if not parts:
+        return
+    if all(part["type"] == "text" for part in parts):
+        out.append({"role": "user", "content": "".join(part["text"] for part in parts)})
+    else:
+        out.append({"role": "user", "content": parts})
+
+
+def _tool_result_content(content: Any, where: str) -> tuple[str, list[dict[str, Any]]]:
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: must be a string or an array, got {_kind(content)}")
+    text: list[str] = []
+    images: list[dict[str, Any]] = []
+    for k, block in enumerate(content):
+        kind = _block_type(block, f"{where}.{k}")
+        if kind == "text":
+            text.append(_string(block, "text", f"{where}.{k}"))
+        elif kind == "image":
+            images.append(_image(block, f"{where}.{k}"))
+        else:
+            raise _unsupported_block(kind, f"{where}.{k}", "tool_result")
+    return "".join(text), images
+
+
+def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    source = block.get("source")
+    if not isinstance(source, Mapping):
+        raise InvalidRequest(f"{where}.source: must be an object, got {_kind(source)}")
+    kind = source.get("type")
+    if kind == "url":
+        url = _string(source, "url", f"{where}.source", nonempty=True)
+        if not url.startswith(("http://", "https://")):
+            raise InvalidRequest(f"{where}.source.url: must be an http(s) URL")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind != "base64":
+        raise InvalidRequest(f"{where}.source.type: must be 'base64' or 'url', got {_kind(kind)}")
+    media_type = source.get("media_type")
+    if media_type not in IMAGE_MEDIA_TYPES:
+        allowed = ", ".join(sorted(IMAGE_MEDIA_TYPES))
+        raise InvalidRequest(f"{where}.source.media_type: must be one of {allowed}")
+    data = _string(source, "data", f"{where}.source", nonempty=True)
+    try:
+        base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{where}.source.data: is not valid base64") from None
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+
+
+def _system_text(system: Any, where: str) -> str:
+    if isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise InvalidRequest(f"{where}: must be a string or an array of text blocks")
+    texts = []
+    for j, block in enumerate(system):
+        kind = _block_type(block, f"{where}.{j}")
+        if kind != "text":
+            raise InvalidRequest(f"{where}.{j}.type: must be 'text', got {kind!r}")
+        texts.append(_string(block, "text", f"{where}.{j}"))
+    return "\n\n".join(texts)
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"tools: must be an array, got {_kind(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, Mapping):
+            raise InvalidRequest(f"{where}: must be an object, got {_kind(tool)}")
+        kind = tool.get("type", "custom")
+        if kind not in ("custom", None):
+            raise InvalidRequest(
+                f"{where}.type: server tool {kind!r} is not supported by this gateway; "
+                "only client tools with an input_schema are"
+            )
+        name = _string(tool, "name", where, nonempty=True)
+        schema = tool.get("input_schema")
+        if not isinstance(schema, Mapping):
+            raise InvalidRequest(f"{where}.input_schema: must be an object, got {_kind(schema)}")
+        function: dict[str, Any] = {"name": name, "parameters": dict(schema)}
+        description = tool.get("description")
+        if description is not None:
+            function["description"] = _string(tool, "description", where)
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
+    if not isinstance(choice, Mapping):
+        raise InvalidRequest(f"tool_choice: must be an object, got {_kind(choice)}")
+    kind = choice.get("type")
+    if kind == "tool":
+        name = _string(choice, "name", "tool_choice", nonempty=True)
+        out["tool_choice"] = {"type": "function", "function": {"name": name}}
+    elif kind in TOOL_CHOICES:
+        out["tool_choice"] = TOOL_CHOICES[kind]
+    else:
+        raise InvalidRequest(
+            f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {_kind(kind)}"
+        )
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise InvalidRequest("tool_choice.disable_parallel_tool_use: must be a boolean")
+        if parallel:
+            out["parallel_tool_calls"] = False
+
+
+def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> None:
+    if thinking is None:
+        return
+    if not isinstance(thinking, Mapping):
+        raise InvalidRequest(f"thinking: must be an object, got {_kind(thinking)}")
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise InvalidRequest(
+            f"thinking.type: must be 'enabled', 'disabled' or 'adaptive', got {_kind(kind)}"
+        )
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (not _is_int(budget) or budget < 0):
+        raise InvalidRequest(f"thinking.budget_tokens: must be an integer >= 0, got {_kind(budget)}")
+    if model.map_thinking:
+        out["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+
+
+def _effort(config: Any, model: ModelConfig, out: dict[str, Any]) -> None:
+    if config is None:
+        return
+    if not isinstance(config, Mapping):
+        raise InvalidRequest(f"output_config: must be an object, got {_kind(config)}")
+    effort = config.get("effort")
+    if effort is None:
+        return
+    if effort not in EFFORTS:
+        raise InvalidRequest(
+            f"output_config.effort: must be one of {', '.join(EFFORTS)}, got {_kind(effort)}"
+        )
+    if model.map_effort:
+        out["reasoning_effort"] = EFFORTS[effort]
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise InvalidRequest("stop_sequences: must be an array of non-empty strings")
+    return tuple(value)
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, Mapping):
+        raise InvalidRequest(f"{where}: must be an object, got {_kind(block)}")
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type: must be a string, got {_kind(kind)}")
+    return kind
+
+
+def _unsupported_block(kind: str, where: str, role: str) -> InvalidRequest:
+    return InvalidRequest(f"{where}.type: block type {kind!r} is not supported in a {role} message")
+
+
+def _string(block: Mapping[str, Any], key: str, where: str, *, nonempty: bool = False) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or (nonempty and not value):
+        wanted = "a non-empty string" if nonempty else "a string"
+        raise InvalidRequest(f"{where}.{key}: must be {wanted}, got {_kind(value)}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return repr(value[:40])
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _merge(defaults: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's configured params under the request's own fields: the client's value wins."""
+    merged = dict(defaults)
+    for key, value in request.items():
+        base = merged.get(key)
+        if isinstance(base, Mapping) and isinstance(value, Mapping):
+            merged[key] = _merge(base, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _estimate_tokens(messages: Sequence[Mapping[str, Any]], tools: Any) -> int:
+    text = json.dumps([messages, tools or []], ensure_ascii=False)
+    return max(1, len(text) // CHARS_PER_TOKEN)

@@ -1,0 +1,159 @@
+"""Plain reverse-proxy routes: `[[routes]]` prefixes forwarded to a named upstream or a URL.
+
+Bodies are relayed as they arrive with the upstream transport registered as the producer behind
+the client's response, so a slow reader pauses the upstream rather than filling the gateway's
+memory. The target is always the configured base URL plus the remainder of the path: a client
+can never choose the host, and a `..` segment (literal or percent-encoded) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.web.iweb import IRequest
+
+from homelab_gateway.errors import GatewayError
+from homelab_gateway.llm import Pool, send_json
+from homelab_gateway.upstream import Upstream, UpstreamBroken
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+        b"proxy-authorization", b"proxy-authenticate", b"proxy-connection",
+    }
+)
+NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+
+
+def forward_headers(
+    headers: Iterable[tuple[bytes, list[bytes]]], *, client_ip: str, proto: str, host: bytes | None,
+    keep_authorization: bool,
+) -> dict[bytes, list[bytes]]:
+    """The request headers to send upstream: end-to-end ones, plus X-Forwarded-*."""
+    headers = [(name.lower(), values) for name, values in headers]
+    named_by_connection = {
+        token.strip().lower()
+        for name, values in headers if name == b"connection"
+        for value in values for token in value.split(b",")
+    }
+    out: dict[bytes, list[bytes]] = {}
+    for name, values in headers:
+        if name in NOT_FORWARDED or name in named_by_connection:
+            continue
+        if name == b"authorization" and not keep_authorization:
+            continue
+        out.setdefault(name, []).extend(values)
+    prior = b", ".join(out.pop(b"x-forwarded-for", []))
+    out[b"x-forwarded-for"] = [prior + b", " + client_ip.encode() if prior else client_ip.encode()]
+    out[b"x-forwarded-proto"] = [proto.encode()]
+    if host is not None:
+        out[b"x-forwarded-host"] = [host]
+    return out
+
+
+def response_headers(headers: Iterable[tuple[bytes, list[bytes]]]) -> list[tuple[bytes, list[bytes]]]:
+    """The upstream's response headers minus the hop-by-hop ones (and those Connection names)."""
+    headers = list(headers)
+    named = {
+        token.strip().lower()
+        for name, values in headers if name.lower() == b"connection"
+        for value in values for token in value.split(b",")
+    }
+    return [
+        (name, values) for name, values in headers
+        if name.lower() not in HOP_BY_HOP and name.lower() not in named
+    ]
+
+
+def escapes_prefix(remainder: bytes) -> bool:
+    """True if the path remainder has a `.` or `..` segment, however it is encoded."""
+    decoded = unquote_to_bytes(remainder)
+    return any(segment in (b".", b"..") for segment in decoded.replace(b"\\", b"/").split(b"/"))
+
+
+@dataclass(frozen=True)
+class ProxyRoute:
+    prefix: bytes
+    upstream: Upstream
+    pool: Pool | None  # None for a plain URL route: no slots
+
+
+class ReverseProxy:
+    def __init__(self, routes: Iterable[ProxyRoute], clock: IReactorTime) -> None:
+        # Longest prefix first, so /a/b/ wins over /a/.
+        self.routes = sorted(routes, key=lambda r: len(r.prefix), reverse=True)
+        self.clock = clock
+
+    def match(self, path: bytes) -> tuple[ProxyRoute, bytes] | None:
+        for route in self.routes:
+            if path.startswith(route.prefix):
+                return route, path[len(route.prefix):]
+        return None
+
+    def redirect_target(self, path: bytes) -> bytes | None:
+        """`/nas` for a route `/nas/`: where a browser should go instead."""
+        for route in self.routes:
+            if path + b"/" == route.prefix:
+                return route.prefix
+        return None
+
+    async def forward(self, request: IRequest, route: ProxyRoute, remainder: bytes) -> bytes | None:
+        if escapes_prefix(remainder):
+            return send_json(request, 400, GatewayError(400, "path escapes the route prefix").openai_body())
+        query = request.uri.partition(b"?")[2]
+        url = route.upstream.url.encode() + b"/" + remainder + (b"?" + query if query else b"")
+        peer: Any = request.getClientAddress()
+        headers = forward_headers(
+            request.requestHeaders.getAllRawHeaders(),
+            client_ip=getattr(peer, "host", "unknown"),
+            proto="https" if request.isSecure() else "http",
+            host=request.getHeader(b"host"),
+            keep_authorization=route.upstream.api_key is None,
+        )
+        body = request.content.read()
+        try:
+            slot = await route.pool.hold_slot(self.clock) if route.pool is not None else None
+        except GatewayError as e:
+            if e.retry_after is not None:
+                request.setHeader(b"retry-after", str(e.retry_after).encode())
+            return send_json(request, e.status, e.openai_body())
+        try:
+            return await self._relay(request, route.upstream, url, headers, body)
+        finally:
+            if slot is not None:
+                slot.release()
+
+    async def _relay(
+        self, request: IRequest, upstream: Upstream, url: bytes,
+        headers: dict[bytes, list[bytes]], body: bytes,
+    ) -> bytes | None:
+        try:
+            response = await upstream.open(request.method.decode(), url.decode(), headers, body or None)
+        except GatewayError as e:
+            return send_json(request, e.status, e.openai_body())
+        request.setResponseCode(response.code, response.phrase)
+        for name, values in response_headers(response.headers.getAllRawHeaders()):
+            request.responseHeaders.setRawHeaders(name, values)
+        if isinstance(response.length, int):  # Agent moves Content-Length out of .headers
+            request.setHeader(b"content-length", str(response.length).encode())
+        registered = False
+
+        def on_producer(producer: IPushProducer) -> None:
+            nonlocal registered
+            request.registerProducer(producer, True)
+            registered = True
+
+        try:
+            await upstream.stream(response, request.write, on_producer)
+        except UpstreamBroken:
+            # Status and part of the body are out: only a broken connection tells the client
+            # that the body is incomplete (a clean end would look like success).
+            request.channel.transport.abortConnection()
+        finally:
+            if registered:
+                request.unregisterProducer()
+        return None

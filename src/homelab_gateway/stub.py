@@ -1,0 +1,513 @@
+"""A stand-in for vLLM's OpenAI-compatible server, for the demo, the tests and the benchmarks.
+
+It reproduces vLLM's wire format, including what trips translators: a first chunk of
+`{"role":"assistant","content":""}`, reasoning as `delta.reasoning` (or `reasoning_content`, or
+both, as vLLM versions did), `{"content":""}` at the reasoning/content switch and in the finish
+chunk, a non-standard `stop_reason`, usage on every chunk with `continuous_usage_stats`, a final
+`"choices": []` usage chunk, then `data: [DONE]`. Headers go out at once and the first token
+after `hold` seconds, like a prefill.
+
+A word in the last user message picks a scenario (see SCENARIOS). The log gets a line when a
+request starts, when it completes and, the moment the client leaves early, `cancelled`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import IService
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.python import usage
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+REASONING_WORDS = "The user wants a short friendly answer so I will greet them and keep it brief".split()
+CONTENT_WORDS = "Hello! I am a stub model answering from the homelab gateway test upstream.".split()
+TOOL_ARGUMENTS = ['{"city', '": "', "Par", 'is", "unit', '": "c', 'elsius"}']
+
+SCENARIOS = {
+    "content-only": "content and no reasoning",
+    "reasoning-only": "reasoning until max_tokens runs out (finish_reason length)",
+    "tool": "a little text, then a tool call whose arguments arrive in fragments",
+    "parallel-tools": "two tool calls, index 0 and 1",
+    "stop": "content, then a stop on the request's first stop string",
+    "long": "2,000 content tokens",
+    "fail": "a few tokens, then a vLLM error chunk and [DONE]",
+    "garbage": "a few tokens, then a line that is not JSON",
+    "reset": "a few tokens, then the connection is reset",
+    "truncate": "a few tokens, then a clean close with no finish_reason or [DONE]",
+    "stall": "a few tokens, then silence until the client leaves",
+    "abort": "a few tokens, then finish_reason abort",
+    "error500": "HTTP 500 before the stream",
+    "error400": "HTTP 400 (prompt too long) before the stream",
+    "overloaded": "HTTP 503 before the stream",
+}
+
+
+@dataclass
+class StubSettings:
+    hold: float = 0.0
+    delay: float = 0.0
+    reasoning_tokens: int = 8
+    content_tokens: int = 8
+    reasoning_field: str = "reasoning"  # reasoning | reasoning_content | both
+    models: tuple[str, ...] = ()  # empty: answer any model name
+
+
+@dataclass
+class StubStats:
+    requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    models: dict[str, int] = field(default_factory=dict)
+
+
+class StubLog:
+    """Line-per-event log; each line is flushed at once so tests can watch it."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
+
+    def write(self, event: str, request_id: str, **fields: Any) -> None:
+        if self._stream is None:
+            return
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self._stream.write(f"{stamp}.{int(time.time() * 1000) % 1000:03d} {event} id={request_id}{extra}\n")
+        self._stream.flush()
+
+
+def _prompt_words(messages: Any) -> list[str]:
+    words: list[str] = []
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            words.extend(content.split())
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    words.extend(part["text"].split())
+    return words
+
+
+def _scenario(messages: Any) -> str:
+    last_user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"][-1:]
+    for word in _prompt_words(last_user):
+        if word.lower() in SCENARIOS:
+            return word.lower()
+    return "default"
+
+
+def _words(words: list[str], n: int) -> Iterator[str]:
+    for i in range(n):
+        yield words[i % len(words)] + " "
+
+
+class _Generation:
+    """One chat completion: the chunks it sends, paced on the clock, pausable by the client."""
+
+    def __init__(
+        self, stub: StubResource, request: Request, body: dict[str, Any], request_id: str
+    ) -> None:
+        self.stub = stub
+        self.request = request
+        self.body = body
+        self.id = request_id
+        self.model = body.get("model", "stub")
+        self.scenario = _scenario(body.get("messages") or [])
+        self.prompt_tokens = len(_prompt_words(body.get("messages"))) + 4 * len(body.get("messages") or [])
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._call: IDelayedCall | None = None
+        self._paused = False
+        self._done = False
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(options.get("include_usage"))
+        self.continuous = bool(options.get("continuous_usage_stats"))
+        self._chunks = self._plan()
+
+    # -- what to say -------------------------------------------------------------------------
+
+    def _plan(self) -> Iterator[bytes | str]:
+        """Yields SSE payloads (bytes, already framed) or control words: 'reset', 'truncate',
+        'stall'."""
+        settings = self.stub.settings
+        max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens") or 10**9
+        scenario = self.scenario
+        reasoning_n = settings.reasoning_tokens
+        content_n = settings.content_tokens
+        if scenario in ("content-only", "tool", "parallel-tools", "stop", "long"):
+            reasoning_n = 0
+        if scenario == "long":
+            content_n = 2000
+        if scenario == "reasoning-only":
+            reasoning_n, content_n = 10**9, 0
+        if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort"):
+            reasoning_n, content_n = min(reasoning_n, 2), 2
+
+        yield self._chunk({"role": "assistant", "content": ""})
+        reasoning = min(reasoning_n, max_tokens)
+        content = min(content_n, max_tokens - reasoning)
+        for word in _words(REASONING_WORDS, reasoning):
+            yield self._token(self._reasoning(word))
+        if reasoning and content:
+            yield self._chunk({"content": ""})
+        for word in _words(CONTENT_WORDS, content):
+            yield self._token({"content": word, **self._null_reasoning()})
+
+        if scenario == "fail":
+            error = {"message": "stub: the engine died", "type": "InternalServerError",
+                     "param": None, "code": 500}
+            yield _frame({"error": error})
+            yield _frame("[DONE]")
+            return
+        if scenario == "garbage":
+            yield b"data: {this is not json\n\n"
+            return
+        if scenario in ("reset", "truncate", "stall"):
+            yield scenario
+            return
+        if scenario in ("tool", "parallel-tools"):
+            yield from self._tool_calls(2 if scenario == "parallel-tools" else 1)
+            finish = "tool_calls"
+        elif scenario == "abort":
+            finish = "abort"
+        else:
+            finish = "length" if reasoning_n + content_n > max_tokens else "stop"
+        stop_reason = None
+        stops = self.body.get("stop")
+        if scenario == "stop" and isinstance(stops, list) and stops:
+            stop_reason = stops[0]
+        self.finish_reason = finish
+        yield self._chunk({"content": ""}, finish=finish, stop_reason=stop_reason)
+        if self.include_usage:
+            yield _frame(self._envelope([], usage=True))
+        yield _frame("[DONE]")
+
+    def _tool_calls(self, count: int) -> Iterator[bytes]:
+        tools = self.body.get("tools") or []
+        names = [t["function"]["name"] for t in tools if isinstance(t, dict) and "function" in t]
+        for index in range(count):
+            name = names[index % len(names)] if names else "get_weather"
+            head = {"id": f"chatcmpl-tool-{secrets.token_hex(8)}", "type": "function",
+                    "index": index, "function": {"name": name}}
+            yield self._token({"tool_calls": [head]})
+            for fragment in TOOL_ARGUMENTS:
+                yield self._token({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+
+    def _reasoning(self, word: str) -> dict[str, Any]:
+        field_name = self.stub.settings.reasoning_field
+        if field_name == "both":
+            return {"reasoning": word, "reasoning_content": word}
+        return {field_name: word}
+
+    def _null_reasoning(self) -> dict[str, Any]:
+        return {"reasoning_content": None} if self.stub.settings.reasoning_field == "both" else {}
+
+    def _token(self, delta: dict[str, Any]) -> bytes:
+        return self._chunk(delta, count=True)
+
+    def _chunk(
+        self, delta: dict[str, Any], *, finish: str | None = None, stop_reason: Any = None,
+        count: bool = False,
+    ) -> bytes:
+        if count:
+            self.completion_tokens += 1
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        return _frame(self._envelope([choice], usage=self.continuous))
+
+    def _envelope(self, choices: list[Any], *, usage: bool) -> dict[str, Any]:
+        envelope: dict[str, Any] = {
+            "id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": self.model, "choices": choices,
+        }
+        if usage:
+            envelope["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "completion_tokens": self.completion_tokens,
+            }
+        return envelope
+
+    # -- sending it --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.request.setHeader(b"content-type", b"text/event-stream")
+        self.request.setHeader(b"cache-control", b"no-cache")
+        self.request.write(b"")  # headers now, like vLLM; tokens after the prefill
+        self.request.registerProducer(self, True)
+        self._schedule(self.stub.settings.hold)
+
+    def _schedule(self, delay: float) -> None:
+        if not self._done and not self._paused and self._call is None:
+            self._call = self.stub.clock.callLater(delay, self._step)
+
+    def _step(self) -> None:
+        self._call = None
+        chunk = next(self._chunks, None)
+        if chunk is None:
+            self._finish("complete", finish=self.finish_reason, tokens=self.completion_tokens)
+            self.request.unregisterProducer()
+            self.request.finish()
+            return
+        if chunk == "reset":
+            self._finish("reset")
+            self.request.channel.transport.abortConnection()
+            return
+        if chunk == "truncate":
+            self._finish("truncated")
+            self.request.unregisterProducer()
+            self.request.channel.transport.loseConnection()
+            return
+        if chunk == "stall":
+            return  # nothing more until the client gives up
+        assert isinstance(chunk, bytes)
+        self.request.write(chunk)
+        self._schedule(self.stub.settings.delay)
+
+    def _finish(self, event: str, **fields: Any) -> None:
+        if not self._done:
+            self._done = True
+            self.stub.stats.in_flight -= 1
+            self.stub.stats.completed += event == "complete"
+            self.stub.log.write(event, self.id, **fields)
+
+    def client_left(self, reason: Any) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if not self._done:
+            self.stub.stats.cancelled += 1
+            self._finish("cancelled")
+
+    # IPushProducer: the client's socket buffer is full, or has room again.
+    def pauseProducing(self) -> None:
+        self._paused = True
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        self._schedule(self.stub.settings.delay)
+
+    def stopProducing(self) -> None:
+        self.pauseProducing()
+
+    def answer_whole(self) -> bytes:
+        """The non-streaming `chat.completion`, by running the same plan without pacing."""
+        message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": []}
+        reasoning = []
+        finish = None
+        for chunk in self._chunks:
+            if not isinstance(chunk, bytes) or not chunk.startswith(b"data: {"):
+                continue
+            document = json.loads(chunk[6:])
+            if "error" in document:
+                raise _HTTPError(500, document["error"]["message"])
+            for choice in document.get("choices", []):
+                delta = choice["delta"]
+                message["content"] += delta.get("content") or ""
+                reasoning.append(delta.get("reasoning") or delta.get("reasoning_content") or "")
+                for call in delta.get("tool_calls", []):
+                    if "id" in call:
+                        message["tool_calls"].append({**call, "function": {**call["function"], "arguments": ""}})
+                    else:
+                        message["tool_calls"][call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+                finish = choice.get("finish_reason") or finish
+        if "".join(reasoning):
+            message[self.stub.settings.reasoning_field.replace("both", "reasoning")] = "".join(reasoning)
+        for call in message["tool_calls"]:
+            call.pop("index", None)
+        completion = {
+            "id": f"chatcmpl-{self.id}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "total_tokens": self.prompt_tokens + self.completion_tokens},
+        }
+        return json.dumps(completion).encode()
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _frame(data: Any) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
+
+
+def _error_body(status: int, message: str) -> bytes:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    error = {"message": message, "type": kind.get(status, "InternalServerError"),
+             "param": None, "code": status}
+    return json.dumps({"error": error}).encode()
+
+
+class StubResource(Resource):
+    """The stub server's whole URL space."""
+
+    isLeaf = True
+
+    def __init__(self, settings: StubSettings, clock: IReactorTime, log: StubLog) -> None:
+        super().__init__()
+        self.settings = settings
+        self.clock = clock
+        self.log = log
+        self.stats = StubStats()
+        self._counter = 0
+
+    def render_GET(self, request: Request) -> bytes:
+        path = request.path.rstrip(b"/")
+        request.setHeader(b"content-type", b"application/json")
+        if path == b"/v1/models":
+            names = self.settings.models or ("stub",)
+            data = [{"id": n, "object": "model", "created": 0, "owned_by": "homelab-stub"} for n in names]
+            return json.dumps({"object": "list", "data": data}).encode()
+        if path == b"/stub/status":
+            return json.dumps(self.stats.__dict__).encode()
+        if path == b"/health":
+            return b"{}"
+        request.setResponseCode(404)
+        return _error_body(404, f"no route for GET {path.decode()}")
+
+    def render_POST(self, request: Request) -> bytes | int:
+        path = request.path.rstrip(b"/")
+        request.setHeader(b"content-type", b"application/json")
+        try:
+            body = json.loads(request.content.read())
+        except ValueError:
+            request.setResponseCode(400)
+            return _error_body(400, "request body is not JSON")
+        if path == b"/tokenize":
+            words = _prompt_words(body.get("messages")) or str(body.get("prompt", "")).split()
+            count = len(words) + 4 * len(body.get("messages") or [])
+            return json.dumps({"count": count, "max_model_len": 32768, "tokens": list(range(count))}).encode()
+        if path != b"/v1/chat/completions":
+            request.setResponseCode(404)
+            return _error_body(404, f"no route for POST {path.decode()}")
+        model = body.get("model")
+        if self.settings.models and model not in self.settings.models:
+            request.setResponseCode(404)
+            return _error_body(404, f"The model `{model}` does not exist.")
+        self._counter += 1
+        request_id = f"{self._counter}"
+        generation = _Generation(self, request, body, request_id)
+        stats = self.stats
+        stats.requests += 1
+        stats.models[str(model)] = stats.models.get(str(model), 0) + 1
+        self.log.write("start", request_id, model=model, stream=bool(body.get("stream")),
+                       scenario=generation.scenario)
+        refusal = {"error500": (500, "stub: internal error before the stream"),
+                   "error400": (400, "This model's maximum context length is 32768 tokens. "
+                                     "However, you requested 99999 tokens."),
+                   "overloaded": (503, "stub: the server is overloaded")}.get(generation.scenario)
+        if refusal is not None:
+            self.log.write("refused", request_id, status=refusal[0])
+            request.setResponseCode(refusal[0])
+            return _error_body(*refusal)
+        stats.in_flight += 1
+        stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+        request.notifyFinish().addErrback(generation.client_left)
+        if body.get("stream"):
+            generation.start()
+            return NOT_DONE_YET
+
+        def answer() -> None:
+            try:
+                payload = generation.answer_whole()
+            except _HTTPError as e:
+                request.setResponseCode(e.status)
+                payload = _error_body(e.status, e.message)
+            generation._finish("complete", finish="stop", tokens=generation.completion_tokens)
+            request.write(payload)
+            request.finish()
+
+        generation._call = self.clock.callLater(self.settings.hold, answer)
+        return NOT_DONE_YET
+
+
+def stub_site(settings: StubSettings, clock: IReactorTime, log: StubLog) -> Site:
+    site = Site(StubResource(settings, clock, log))
+    site.displayTracebacks = False
+    site.noisy = False
+    return site
+
+
+class Options(usage.Options):
+    synopsis = "[options]"
+    longdesc = "A vLLM-faithful stub upstream. Scenarios (a word in the prompt): " + ", ".join(
+        f"{k} ({v})" for k, v in SCENARIOS.items()
+    )
+    optParameters = [
+        ["port", "p", "8001", "Port, or a Twisted endpoint string, to listen on", str],
+        ["interface", None, "127.0.0.1", "Interface for a plain port number", str],
+        ["hold", None, 0.0, "Seconds before the first token (the prefill)", float],
+        ["delay", None, 0.0, "Seconds between tokens", float],
+        ["reasoning-tokens", None, 8, "Reasoning tokens per answer (0: no reasoning)", int],
+        ["content-tokens", None, 8, "Content tokens per answer", int],
+        ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
+        ["log", None, None, "Append a line per request start, completion and cancellation"],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["models"] = []
+
+    def opt_model(self, name: str) -> None:
+        """Serve this model name (repeatable; default: answer any name)"""
+        self["models"].append(name)
+
+    def postOptions(self) -> None:
+        if self["reasoning-field"] not in ("reasoning", "reasoning_content", "both"):
+            raise usage.UsageError("--reasoning-field must be reasoning, reasoning_content or both")
+
+    def settings(self) -> StubSettings:
+        return StubSettings(
+            hold=self["hold"], delay=self["delay"], reasoning_tokens=self["reasoning-tokens"],
+            content_tokens=self["content-tokens"], reasoning_field=self["reasoning-field"],
+            models=tuple(self["models"]),
+        )
+
+    def endpoint_description(self) -> str:
+        port = self["port"]
+        return f"tcp:{port}:interface={self['interface']}" if port.isdigit() else port
+
+
+def open_log(path: str | None) -> StubLog:
+    return StubLog(open(path, "a", buffering=1) if path else None)  # noqa: SIM115 - lives as long as the process
+
+
+def makeService(options: Options) -> IService:
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import serverFromString
+
+    site = stub_site(options.settings(), reactor, open_log(options["log"]))
+    return StreamServerEndpointService(serverFromString(reactor, options.endpoint_description()), site)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`homelab-stub` / `python -m homelab_gateway.stub`: the stub in the foreground."""
+    from twisted.scripts.twistd import run
+
+    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "homelab-stub", *(sys.argv[1:] if argv is None else argv)]
+    run()
+
+
+if __name__ == "__main__":
+    main()

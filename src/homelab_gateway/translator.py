@@ -1,0 +1,353 @@
+"""OpenAI chat-completion chunks in, Anthropic Messages stream events out, with no I/O.
+
+The upstream sends flat deltas (`reasoning`/`reasoning_content`, `content`, `tool_calls`) and
+says nothing when one kind ends and the next begins; an Anthropic client needs named blocks with
+indices, opened and closed one at a time. `StreamTranslator` holds exactly the state that
+takes: which block is open, the next index, the tool calls seen, the finish reason and usage.
+It is fed one parsed chunk at a time and answers the events to send at once, so the gateway can
+flush each one as it arrives. `MessageBuilder` folds the same events into one `message` object
+for clients that did not ask to stream, so both answers come from one set of rules.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Event = dict[str, Any]
+
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+
+
+class Phase(enum.Enum):
+    AWAITING_FIRST_CHUNK = "awaiting first chunk"
+    STREAMING = "streaming"
+    FINISHING = "finishing"  # finish_reason seen; usage and [DONE] may still come
+    DONE = "done"  # message_stop sent
+    FAILED = "failed"  # error sent
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def new_tool_use_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
+def error_event(error_type: str, message: str) -> Event:
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+@dataclass
+class _ToolCall:
+    id: str
+    name: str = ""
+    index: int | None = None  # the Anthropic block index, once the block is open
+    pending: list[str] = field(default_factory=list)  # argument fragments seen before the name
+
+
+class StreamTranslator:
+    """The streaming state machine: `feed(chunk)`, then `end()` on `[DONE]`, or `fail(...)`.
+
+    Every call returns the events it produced, in order. After `DONE` or `FAILED` every call
+    returns nothing, so the caller never has to guard against writing after the last frame.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        input_tokens: int,
+        stop_sequences: Sequence[str] = (),
+        message_id: str | None = None,
+    ) -> None:
+        self.phase = Phase.AWAITING_FIRST_CHUNK
+        self.model = model
+        self.message_id = message_id or new_message_id()
+        self.input_tokens = input_tokens
+        self.output_tokens: int | None = None  # as reported by the upstream
+        self.counted_tokens = 0  # deltas seen: the estimate when the upstream reports no usage
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self._stop_sequences = frozenset(stop_sequences)
+        self._finish_reason: str | None = None
+        self._open: tuple[str, int] | None = None  # ("thinking" | "text" | "tool", tool index)
+        self._open_index = -1
+        self._next_index = 0
+        self._tools: dict[int, _ToolCall] = {}
+        self._used_tools = False
+        self._out: list[Event] = []
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in (Phase.DONE, Phase.FAILED)
+
+    def feed(self, chunk: Any) -> list[Event]:
+        """Translate one parsed upstream chunk."""
+        if self.terminated:
+            return []
+        if not isinstance(chunk, Mapping):
+            return self.fail("api_error", "upstream sent a chunk that is not a JSON object")
+        if chunk.get("error"):
+            return self.fail(*_upstream_error(chunk["error"]))
+        self._take_usage(chunk.get("usage"))
+        if self.phase is Phase.AWAITING_FIRST_CHUNK:
+            self.phase = Phase.STREAMING
+            self._out.append(self._message_start())
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if isinstance(choice, Mapping) and choice.get("index", 0) == 0:
+                self._choice(choice)
+                if self.terminated:
+                    break
+        return self._flush()
+
+    def end(self) -> list[Event]:
+        """The upstream finished its stream (`[DONE]`)."""
+        if self.terminated:
+            return []
+        if self._finish_reason is None:
+            what = "anything" if self.phase is Phase.AWAITING_FIRST_CHUNK else "a finish_reason"
+            return self.fail("api_error", f"upstream ended the stream without {what}")
+        self._close_block()
+        usage = {"input_tokens": self.input_tokens, "output_tokens": self.final_output_tokens}
+        delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
+        self._out.append({"type": "message_delta", "delta": delta, "usage": usage})
+        self._out.append({"type": "message_stop"})
+        self.phase = Phase.DONE
+        return self._flush()
+
+    def fail(self, error_type: str, message: str) -> list[Event]:
+        """End the stream with an error frame: never a stream that looks complete."""
+        if self.terminated:
+            return []
+        self._out.append(error_event(error_type, message))
+        self.phase = Phase.FAILED
+        return self._flush()
+
+    @property
+    def final_output_tokens(self) -> int:
+        return self.output_tokens if self.output_tokens is not None else self.counted_tokens
+
+    def _flush(self) -> list[Event]:
+        out, self._out = self._out, []
+        return out
+
+    def _message_start(self) -> Event:
+        return {
+            "type": "message_start",
+            "message": {
+                "id": self.message_id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": self.input_tokens,
+                    "output_tokens": self.output_tokens or 0,
+                },
+            },
+        }
+
+    def _take_usage(self, usage: Any) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if _is_count(prompt):
+            self.input_tokens = prompt
+        if _is_count(completion):
+            self.output_tokens = completion
+
+    def _choice(self, choice: Mapping[str, Any]) -> None:
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping):
+            produced = False
+            reasoning = _text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))
+            if reasoning:
+                self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
+                produced = True
+            content = _text(delta.get("content"))
+            if content:
+                self._delta("text", {"type": "text_delta", "text": content})
+                produced = True
+            tool_calls = delta.get("tool_calls")
+            for call in tool_calls if isinstance(tool_calls, list) else ():
+                if isinstance(call, Mapping):
+                    produced = self._tool_call(call) or produced
+                    if self.terminated:
+                        return
+            self.counted_tokens += produced
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str) and finish and self._finish_reason is None:
+            self._finish(finish, choice.get("stop_reason"))
+
+    def _delta(self, kind: str, delta: Event) -> None:
+        if self._open != (kind, 0):
+            start: Event = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
+            self._open_block((kind, 0), start)
+        self._out.append({"type": "content_block_delta", "index": self._open_index, "delta": delta})
+
+    def _tool_call(self, call: Mapping[str, Any]) -> bool:
+        position = call.get("index", 0)
+        if not isinstance(position, int):
+            position = 0
+        tool = self._tools.get(position)
+        if tool is None:
+            tool = self._tools[position] = _ToolCall(id=new_tool_use_id())
+        function = call.get("function")
+        function = function if isinstance(function, Mapping) else {}
+        name = _text(function.get("name"))
+        if name and not tool.name:
+            tool.name = name
+        fragment = _text(function.get("arguments"))
+        if tool.index is None:
+            if not tool.name:
+                tool.pending.append(fragment)
+                return bool(fragment)
+            self._used_tools = True
+            start = {"type": "tool_use", "id": tool.id, "name": tool.name, "input": {}}
+            self._open_block(("tool", position), start)
+            tool.index = self._open_index
+            fragment = "".join([*tool.pending, fragment])
+            tool.pending.clear()
+        elif self._open != ("tool", position):
+            if fragment:
+                self.fail("api_error", "upstream interleaved the arguments of two tool calls")
+            return False
+        if fragment:
+            delta = {"type": "input_json_delta", "partial_json": fragment}
+            self._out.append({"type": "content_block_delta", "index": tool.index, "delta": delta})
+        return bool(name or fragment)
+
+    def _open_block(self, key: tuple[str, int], block: Event) -> None:
+        self._close_block()
+        self._open, self._open_index = key, self._next_index
+        self._next_index += 1
+        self._out.append(
+            {"type": "content_block_start", "index": self._open_index, "content_block": block}
+        )
+
+    def _close_block(self) -> None:
+        if self._open is not None:
+            self._out.append({"type": "content_block_stop", "index": self._open_index})
+            self._open = None
+
+    def _finish(self, reason: str, matched: Any) -> None:
+        if reason == "abort":
+            self.fail("overloaded_error", "upstream aborted the generation")
+            return
+        self._finish_reason = reason
+        self.phase = Phase.FINISHING
+        if reason == "stop" and isinstance(matched, str) and matched in self._stop_sequences:
+            self.stop_reason, self.stop_sequence = "stop_sequence", matched
+        elif self._used_tools and reason in ("stop", "tool_calls"):
+            self.stop_reason = "tool_use"  # some servers say "stop" after calling tools
+        else:
+            self.stop_reason = _STOP_REASONS.get(reason, "end_turn")
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _upstream_error(error: Any) -> tuple[str, str]:
+    """An in-stream `{"error": ...}` from vLLM or a proxy, as an Anthropic error type and text."""
+    if isinstance(error, Mapping):
+        message = error.get("message") or error.get("type") or "unknown error"
+        code = error.get("code")
+    else:
+        message, code = error, None
+    overloaded = code in (429, 503, 529, "429", "503", "529")
+    return ("overloaded_error" if overloaded else "api_error"), f"upstream error: {message}"
+
+
+class IncompleteMessage(Exception):
+    """The events ended in an error, or without `message_stop`: there is no message to answer."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.message = message
+
+
+class MessageBuilder:
+    """Folds a stream of Anthropic events into the one `message` a non-streaming client gets."""
+
+    def __init__(self) -> None:
+        self._message: dict[str, Any] | None = None
+        self._json: dict[int, list[str]] = {}
+        self._error: tuple[str, str] | None = None
+        self._stopped = False
+
+    def add(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self._add(event)
+
+    def _add(self, event: Event) -> None:
+        kind = event["type"]
+        if kind == "message_start":
+            self._message = {**event["message"], "content": []}
+            return
+        if kind == "error":
+            self._error = (event["error"]["type"], event["error"]["message"])
+            return
+        assert self._message is not None, f"{kind} before message_start"
+        content = self._message["content"]
+        if kind == "content_block_start":
+            content.append(dict(event["content_block"]))
+        elif kind == "content_block_delta":
+            block, delta = content[event["index"]], event["delta"]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "input_json_delta":
+                self._json.setdefault(event["index"], []).append(delta["partial_json"])
+        elif kind == "content_block_stop":
+            block = content[event["index"]]
+            if block["type"] == "tool_use":
+                block["input"] = self._tool_input(event["index"], block["name"])
+        elif kind == "message_delta":
+            self._message.update(event["delta"])
+            self._message["usage"] = {**self._message["usage"], **event["usage"]}
+        elif kind == "message_stop":
+            self._stopped = True
+
+    def _tool_input(self, index: int, name: str) -> Any:
+        text = "".join(self._json.pop(index, [])) or "{}"
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            self._error = ("api_error", f"upstream gave tool {name!r} arguments that are not a JSON object")
+            return {}
+        return value
+
+    def message(self) -> dict[str, Any]:
+        if self._error is not None:
+            raise IncompleteMessage(*self._error)
+        if self._message is None or not self._stopped:
+            raise IncompleteMessage("api_error", "upstream stream ended before the message was complete")
+        return self._message

@@ -1,0 +1,197 @@
+"""Talking to an upstream HTTP server: open a request, then stream its body, cancellably.
+
+`treq.collect` and `treq.content` cannot be cancelled and buffer, so the body goes to
+`_BodyStream`, a protocol of ours: its Deferred's canceller stops the upstream transport (the
+socket closes, and vLLM frees the sequence), its idle timer runs on the injected clock, and its
+transport can be registered as the producer behind the client's response so a slow reader
+pauses the upstream instead of growing a buffer in the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from io import BytesIO
+from typing import Any
+
+from treq.client import HTTPClient
+
+from twisted.internet import error as neterror
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import FileBodyProducer, ResponseDone, ResponseFailed
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IResponse
+
+from homelab_gateway.errors import GatewayError
+
+ERROR_BODY_LIMIT = 64 * 1024
+
+
+class UpstreamBroken(Exception):
+    """The upstream's response body ended abnormally (reset, idle timeout, bad framing)."""
+
+
+class RawHTTP:
+    """The treq `request` call shape over a bare Agent, for the transparent proxy.
+
+    treq always decodes gzip (rewriting Content-Encoding and dropping Content-Length), keeps
+    one cookie jar for every client and re-encodes the URL; a reverse proxy must pass all of
+    that through untouched.
+    """
+
+    def __init__(self, agent: IAgent) -> None:
+        self._agent = agent
+
+    def request(
+        self, method: str, url: str, *, headers: dict[bytes, list[bytes]], data: bytes | None,
+        unbuffered: bool = True, allow_redirects: bool = False,
+    ) -> Deferred[IResponse]:
+        """Send as given; `unbuffered` and `allow_redirects` are accepted for treq's call shape
+        and are what a bare Agent does anyway."""
+        producer = FileBodyProducer(BytesIO(data)) if data is not None else None
+        return self._agent.request(method.encode(), url.encode(), Headers(headers), producer)
+
+
+def llm_http(agent: IAgent) -> HTTPClient:
+    """treq for the /llm surface, with redirects off and a cookie jar that takes no cookies
+    (a jar shared by every client of the gateway must never carry one client's state)."""
+    return HTTPClient(agent, cookiejar=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])))
+
+
+class Upstream:
+    """One upstream server: its base URL, timeouts and HTTP client."""
+
+    def __init__(
+        self, *, name: str, url: str, http: Any, clock: IReactorTime,
+        connect_timeout: float, idle_timeout: float, api_key: str | None = None,
+    ) -> None:
+        self.name = name
+        self.url = url
+        self.http = http  # a treq HTTPClient (or treq.testing.StubTreq)
+        self.clock = clock
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self.api_key = api_key
+
+    async def open(
+        self, method: str, url: str, headers: dict[bytes, list[bytes]], body: bytes | None
+    ) -> IResponse:
+        """Send the request; return the response once its headers are in.
+
+        Cancelling the caller's Deferred while this waits aborts the connection.
+        """
+        if self.api_key is not None:
+            headers[b"authorization"] = [b"Bearer " + self.api_key.encode()]
+        d = self.http.request(
+            method, url, headers=headers, data=body, unbuffered=True, allow_redirects=False
+        )
+        d.addTimeout(self.connect_timeout, self.clock)
+        try:
+            return await d
+        except neterror.TimeoutError:
+            raise GatewayError(
+                504, f"upstream {self.name} sent no response headers within "
+                f"{self.connect_timeout:g}s"
+            ) from None
+        except CancelledError:
+            raise
+        except Exception as e:
+            raise GatewayError(502, f"upstream {self.name} unreachable: {_reason(e)}") from None
+
+    def stream(
+        self, response: IResponse, on_data: Callable[[bytes], None],
+        on_producer: Callable[[IPushProducer], None] | None = None,
+    ) -> Deferred[None]:
+        """Feed the body to `on_data` as it arrives; fire when it ends cleanly.
+
+        Fails with UpstreamBroken on a reset or after `idle_timeout` of silence, and with
+        whatever `on_data` raised. Cancelling stops the upstream transport.
+        """
+        protocol = _BodyStream(on_data, self.clock, self.idle_timeout, self.name, on_producer)
+        response.deliverBody(protocol)
+        return protocol.done
+
+    async def read_limited(self, response: IResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
+        """An error body, up to `limit` bytes: enough to quote, never a memory risk."""
+        parts: list[bytes] = []
+        size = 0
+
+        def take(data: bytes) -> None:
+            nonlocal size
+            if size < limit:
+                parts.append(data[: limit - size])
+                size += len(data)
+
+        try:
+            await self.stream(response, take)
+        except UpstreamBroken:
+            pass
+        return b"".join(parts)
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, ResponseFailed):
+        reasons = [r.value for r in e.reasons if isinstance(r, Failure)]
+        return "; ".join(_reason(r) for r in reasons) or "response failed"
+    if isinstance(e, neterror.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, neterror.DNSLookupError):
+        return "DNS lookup failed"
+    return str(e) or type(e).__name__
+
+
+class _BodyStream(Protocol):
+    def __init__(
+        self, on_data: Callable[[bytes], None], clock: IReactorTime, idle_timeout: float,
+        name: str, on_producer: Callable[[IPushProducer], None] | None,
+    ) -> None:
+        self._on_data = on_data
+        self._clock = clock
+        self._idle_timeout = idle_timeout
+        self._name = name
+        self._on_producer = on_producer
+        self._failure: BaseException | None = None
+        self._timer = clock.callLater(idle_timeout, self._idle)
+        self.done: Deferred[None] = Deferred(lambda _: self._stop())
+
+    def connectionMade(self) -> None:
+        if self._on_producer is not None:
+            self._on_producer(self.transport)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.done.called:
+            return
+        self._timer.reset(self._idle_timeout)
+        try:
+            self._on_data(data)
+        except Exception as e:
+            self._failure = e
+            self._stop()
+
+    def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        if self._timer.active():
+            self._timer.cancel()
+        if self.done.called:
+            return
+        if self._failure is not None:
+            self.done.errback(self._failure)
+        elif reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(None)
+        else:
+            self.done.errback(UpstreamBroken(f"upstream {self._name} broke off: {_reason(reason.value)}"))
+
+    def _idle(self) -> None:
+        self._failure = UpstreamBroken(
+            f"upstream {self._name} was silent for {self._idle_timeout:g}s"
+        )
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._timer.active():
+            self._timer.cancel()
+        if self.transport is not None:
+            self.transport.stopProducing()
