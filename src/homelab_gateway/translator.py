@@ -130,11 +130,13 @@ class StreamTranslator:
 
     def fail(self, error_type: str, message: str) -> list[Event]:
         """End the stream with an error frame: never a stream that looks complete."""
-        if self.terminated:
-            return []
-        self._out.append(error_event(error_type, message))
-        self.phase = Phase.FAILED
+        self._fail(error_type, message)
         return self._flush()
+
+    def _fail(self, error_type: str, message: str) -> None:
+        if not self.terminated:
+            self._out.append(error_event(error_type, message))
+            self.phase = Phase.FAILED
 
     @property
     def final_output_tokens(self) -> int:
@@ -229,7 +231,7 @@ class StreamTranslator:
             tool.pending.clear()
         elif self._open != ("tool", position):
             if fragment:
-                self.fail("api_error", "upstream interleaved the arguments of two tool calls")
+                self._fail("api_error", "upstream interleaved the arguments of two tool calls")
             return False
         if fragment:
             delta = {"type": "input_json_delta", "partial_json": fragment}
@@ -251,7 +253,7 @@ class StreamTranslator:
 
     def _finish(self, reason: str, matched: Any) -> None:
         if reason == "abort":
-            self.fail("overloaded_error", "upstream aborted the generation")
+            self._fail("overloaded_error", "upstream aborted the generation")
             return
         self._finish_reason = reason
         self.phase = Phase.FINISHING

@@ -1,0 +1,122 @@
+"""Config parsing: the documented keys, their defaults, and one clear line per mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from homelab_gateway.config import ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+GOOD = """
+[server]
+listen = "tcp:8080:interface=127.0.0.1"
+
+[upstreams.vllm]
+url = "http://127.0.0.1:8000/v1"
+slots = 6
+api_key_env = "VLLM_API_KEY"
+
+[upstreams.ollama]
+url = "http://127.0.0.1:11434/v1/"
+slots = 2
+
+[models.reasoning]
+upstream = "vllm"
+upstream_model = "Qwen/QwQ-32B"
+params = { chat_template_kwargs = { enable_thinking = true } }
+max_tokens = 32768
+
+[models."qwen2.5:3b-instruct"]
+upstream = "ollama"
+
+[[routes]]
+prefix = "/openai/"
+upstream = "vllm"
+
+[[routes]]
+prefix = "/nas/"
+url = "http://192.0.2.10:5000"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gw.toml"
+    path.write_text(text)
+    return path
+
+
+def error(tmp_path: Path, text: str, environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), environ=environ or {"VLLM_API_KEY": "k"})
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(tmp_path / "gw.toml") + ": ")
+    return message.split(": ", 1)[1]
+
+
+def test_the_documented_example_parses(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD), environ={"VLLM_API_KEY": "k"})
+    assert config.server.listen == "tcp:8080:interface=127.0.0.1"
+    vllm = config.upstreams["vllm"]
+    assert (vllm.url, vllm.slots, vllm.api_key) == ("http://127.0.0.1:8000/v1", 6, "k")
+    assert (vllm.idle_timeout, vllm.queue_limit, vllm.queue_timeout) == (300.0, 64, 600.0)
+    assert config.upstreams["ollama"].url == "http://127.0.0.1:11434/v1"  # trailing slash dropped
+    reasoning = config.models["reasoning"]
+    assert reasoning.upstream_model == "Qwen/QwQ-32B" and reasoning.max_tokens == 32768
+    assert reasoning.params == {"chat_template_kwargs": {"enable_thinking": True}}
+    assert config.models["qwen2.5:3b-instruct"].upstream_model == "qwen2.5:3b-instruct"
+    assert [(r.prefix, r.upstream, r.url) for r in config.routes] == [
+        ("/openai/", "vllm", None), ("/nas/", None, "http://192.0.2.10:5000")]
+
+
+@pytest.mark.parametrize("name", ["homelab-gateway.toml"])
+def test_shipped_example_config_parses(name: str) -> None:
+    load_config(REPO / "etc" / name, environ={"VLLM_API_KEY": "k"})
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"gone\.toml: file not found$"):
+        load_config(tmp_path / "gone.toml")
+
+
+def test_bad_toml(tmp_path: Path) -> None:
+    assert error(tmp_path, "[server\nlisten=").startswith("invalid TOML:")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("bogus = 1", "bogus: unknown key"),
+    ("[server]\nlisten = 'tcp:nope'", "server.listen: bad endpoint string"),
+    ("[server]\nlisten = 'carrier-pigeon:1'", "server.listen: bad endpoint string"),
+    ("[server]\nlisten = 'tcp:99999'", "server.listen: bad endpoint string"),
+    ("[server]\nping_interval = 0", "server.ping_interval: must be a positive number"),
+    ("[upstreams.v]\nslots = 1", "upstreams.v.url: is required"),
+    ("[upstreams.v]\nurl = 'ftp://x/v1'\nslots = 1", "upstreams.v.url: must be an http:// or https:// URL"),
+    ("[upstreams.v]\nurl = 'http://x:notaport/v1'\nslots = 1", "upstreams.v.url: has a bad port"),
+    ("[upstreams.v]\nurl = 'http://x/v1'", "upstreams.v.slots: is required"),
+    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 0", "upstreams.v.slots: must be an integer >= 1"),
+    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 'six'", "upstreams.v.slots: must be an integer >= 1"),
+    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nspeed = 3", "upstreams.v.speed: unknown key"),
+    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\napi_key_env = 'NOPE'", "upstreams.v.api_key_env: environment variable NOPE is not set"),
+    ("[models.m]\nupstream = 'ghost'", "models.m.upstream: names unknown upstream 'ghost'"),
+    ("[models.m]\nupstream_model = 'x'", "models.m.upstream: is required"),
+    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\n[models.m]\nupstream = 'v'\nparams = 3", "models.m.params: must be a table"),
+    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\n[[routes]]\nprefix = 'openai'\nupstream = 'v'", "routes[0].prefix: must start and end with '/'"),
+    ("[[routes]]\nprefix = '/x/'", "routes[0]: needs exactly one of 'upstream' or 'url'"),
+    ("[[routes]]\nprefix = '/llm/x/'\nurl = 'http://x'", "routes[0].prefix: '/llm/x/' is reserved"),
+    ("[[routes]]\nprefix = '/x/'\nurl = 'http://x'\n[[routes]]\nprefix = '/x/'\nurl = 'http://y'", "routes[1].prefix: '/x/' is used by another route"),
+    ("routes = 3", "routes: must be an array of tables"),
+])
+def test_every_mistake_names_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    assert error(tmp_path, text).startswith(expected)
+
+
+def test_quoted_model_names_are_quoted_in_errors() -> None:
+    with pytest.raises(ConfigError, match=r'models\."qwen2\.5:3b"\.upstream'):
+        parse_config({"models": {"qwen2.5:3b": {"upstream": "x"}}}, environ={})
+
+
+def test_empty_config_is_valid_and_listens_on_loopback() -> None:
+    config = parse_config({}, environ={})
+    assert config.server.listen == "tcp:8080:interface=127.0.0.1"

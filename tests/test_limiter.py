@@ -1,0 +1,156 @@
+"""The slot limiter on a Clock: what it relies on from DeferredSemaphore, positions, scale."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from twisted.internet.defer import CancelledError, DeferredSemaphore
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.limiter import PositionedSemaphore, QueueFull
+
+
+class BaseClassBehaviourWeRelyOn(TestCase):
+    """If a Twisted release changes these, the limiter's assumptions break: fail here first."""
+
+    def test_waiting_is_a_fifo_list_and_release_hands_over_synchronously(self) -> None:
+        sem = DeferredSemaphore(1)
+        sem.acquire()
+        first, second = sem.acquire(), sem.acquire()
+        self.assertEqual(sem.waiting, [first, second])
+        sem.release()
+        self.assertTrue(first.called)  # synchronously, inside release()
+        self.assertEqual(sem.waiting, [second])
+        self.assertEqual(sem.tokens, 0)
+
+    def test_cancel_removes_the_waiter_through_cancel_acquire(self) -> None:
+        sem = DeferredSemaphore(1)
+        sem.acquire()
+        d = sem.acquire()
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(sem.waiting, [])
+        sem.release()
+        self.assertEqual(sem.tokens, 1)
+
+
+class Positions(TestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.sem = PositionedSemaphore(1, self.clock, report_interval=0.5)
+        self.addCleanup(self.sem.close)
+
+    def waiter(self) -> tuple[object, list[int]]:
+        seen: list[int] = []
+        return self.sem.acquire_in_line(seen.append), seen
+
+    def test_a_free_slot_is_taken_with_no_position_report(self) -> None:
+        d, seen = self.waiter()
+        self.assertTrue(d.called)
+        self.assertEqual(seen, [])
+        self.assertEqual(self.sem.in_use, 1)
+
+    def test_waiters_learn_their_position_at_once_then_as_the_line_moves(self) -> None:
+        self.waiter()
+        _, a = self.waiter()
+        _, b = self.waiter()
+        _, c = self.waiter()
+        self.assertEqual((a, b, c), ([1], [2], [3]))
+        self.sem.release()  # a gets the slot
+        self.assertEqual((b, c), ([2], [3]), "renumbering waits for the coalescing pass")
+        self.clock.advance(0.5)
+        self.assertEqual((b, c), ([2, 1], [3, 2]))
+
+    def test_acquiring_reports_position_1_first_if_it_was_not_reported(self) -> None:
+        self.waiter()
+        _, a = self.waiter()
+        _, b = self.waiter()
+        self.sem.release()
+        self.sem.release()  # both released before any pass ran
+        self.assertEqual(b, [2, 1])
+        self.assertEqual(a, [1])
+
+    def test_cancelled_waiter_leaves_and_those_behind_move_up(self) -> None:
+        self.waiter()
+        d1, a = self.waiter()
+        _, b = self.waiter()
+        d1.cancel()
+        self.failureResultOf(d1, CancelledError)
+        self.assertEqual(len(self.sem.waiting), 1)
+        self.clock.advance(0.5)
+        self.assertEqual(b, [2, 1])
+        self.assertEqual(a, [1])
+        self.sem.release()
+        self.assertEqual(self.sem.in_use, 1)
+
+    def test_queue_limit(self) -> None:
+        limited = PositionedSemaphore(1, self.clock, queue_limit=2)
+        limited.acquire_in_line()
+        limited.acquire_in_line()
+        limited.acquire_in_line()
+        with self.assertRaises(QueueFull):
+            limited.acquire_in_line()
+        self.assertEqual(len(limited.waiting), 2)
+
+    def test_no_pass_is_scheduled_without_listeners(self) -> None:
+        self.sem.acquire_in_line()
+        self.sem.acquire_in_line()  # no listener
+        self.sem.release()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class Scale(TestCase):
+    def test_two_thousand_waiters_behind_two_slots(self) -> None:
+        """All finish in FIFO order; positions only go down, reach 1 before the slot, are never
+        lower than the truth, lag it by at most the pass interval, and cost a handful of
+        reports per waiter rather than one per release."""
+        clock = Clock()
+        sem = PositionedSemaphore(2, clock, report_interval=0.5)
+        n, hold = 2000, 0.01
+        reports: dict[int, list[tuple[float, int]]] = {i: [] for i in range(n)}
+        order: list[int] = []
+        deferreds = []
+
+        def got_slot(_: object, i: int) -> None:
+            order.append(i)
+            self.assertEqual(reports[i][-1][1] if reports[i] else 1, 1)
+            clock.callLater(hold, sem.release)
+
+        sem.acquire()
+        sem.acquire()  # both slots busy before the crowd arrives
+        for i in range(n):
+            d = sem.acquire_in_line(lambda p, i=i: reports[i].append((clock.seconds(), p)))
+            d.addCallback(got_slot, i)
+            deferreds.append(d)
+        sem.release()
+        sem.release()
+
+        # The truth one pass interval (plus one simulated step of float drift) ago: a report
+        # may lag the truth, never by more than that.
+        interval_steps = round(0.5 / hold) + 2
+        history: deque[dict[int, int]] = deque(maxlen=interval_steps)
+        while len(order) < n:
+            clock.advance(hold)
+            truth = {id(d): k for k, d in enumerate(sem.waiting, start=1)}
+            history.append(truth)
+            for i, d in enumerate(deferreds):
+                if d.called:
+                    continue
+                reported = reports[i][-1][1]
+                self.assertGreaterEqual(reported, truth[id(d)], "a position lower than the truth")
+                if len(history) == interval_steps and id(d) in history[0]:
+                    self.assertLessEqual(reported, history[0][id(d)], "a report staler than 0.5 s")
+
+        self.assertEqual(order, list(range(n)))
+        for i in range(n):
+            positions = [p for _, p in reports[i]]
+            self.assertEqual(positions, sorted(positions, reverse=True))
+            self.assertEqual(len(positions), len(set(positions)))
+            self.assertEqual(positions[-1], 1)
+        per_waiter = sem.reports / n
+        # The line drains in n / 2 * hold = 10 s: about 20 passes at most, never ~1000 releases.
+        self.assertLess(per_waiter, 25)
+        clock.advance(1)  # the last holders release; any pending pass runs
+        self.assertEqual(sem.in_use, 0)
+        self.assertEqual(clock.getDelayedCalls(), [])
