@@ -17,7 +17,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredSemaphore, ensureDeferred
 from twisted.internet.error import TimeoutError as DeferredTimeout
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
@@ -33,7 +33,7 @@ from homelab_gateway.translator import (
     StreamTranslator,
     error_event,
 )
-from homelab_gateway.upstream import Upstream, UpstreamBroken
+from homelab_gateway.upstream import Backpressure, Upstream, UpstreamBroken
 
 PING: Event = {"type": "ping"}
 QUEUE_FULL_RETRY_AFTER = 5
@@ -307,22 +307,15 @@ class Messages:
                 if translator.phase is Phase.FAILED:
                     raise _TranslationOver()
 
-        registered = False
-
-        def on_producer(producer: IPushProducer) -> None:
-            nonlocal registered
-            if request is not None and stream is not None and not stream.gone:
-                request.registerProducer(producer, True)
-                registered = True
-
+        backpressure = Backpressure(request) if request is not None else None
         try:
-            await upstream.stream(response, on_data, on_producer)
+            await upstream.stream(response, on_data, backpressure)
         except _TranslationOver:
             return
         except UpstreamBroken as e:
             deliver(translator.fail("api_error", str(e)))
             return
         finally:
-            if registered and request is not None:
-                request.unregisterProducer()
+            if backpressure is not None:
+                backpressure.release()
         deliver(translator.fail("api_error", f"upstream {upstream.name} closed the stream before [DONE]"))

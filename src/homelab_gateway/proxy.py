@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.llm import Pool, send_json
-from homelab_gateway.upstream import Upstream, UpstreamBroken
+from homelab_gateway.upstream import Backpressure, Upstream, UpstreamBroken
 
 HOP_BY_HOP = frozenset(
     {
@@ -140,20 +140,13 @@ class ReverseProxy:
             request.responseHeaders.setRawHeaders(name, values)
         if isinstance(response.length, int):  # Agent moves Content-Length out of .headers
             request.setHeader(b"content-length", str(response.length).encode())
-        registered = False
-
-        def on_producer(producer: IPushProducer) -> None:
-            nonlocal registered
-            request.registerProducer(producer, True)
-            registered = True
-
+        backpressure = Backpressure(request)
         try:
-            await upstream.stream(response, request.write, on_producer)
+            await upstream.stream(response, request.write, backpressure)
         except UpstreamBroken:
             # Status and part of the body are out: only a broken connection tells the client
             # that the body is incomplete (a clean end would look like success).
             request.channel.transport.abortConnection()
         finally:
-            if registered:
-                request.unregisterProducer()
+            backpressure.release()
         return None

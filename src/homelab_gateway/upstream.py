@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import FileBodyProducer, ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IResponse
+from twisted.web.iweb import IAgent, IRequest, IResponse
 
 from homelab_gateway.errors import GatewayError
 
@@ -89,18 +89,30 @@ class Upstream:
         d = self.http.request(
             method, url, headers=headers, data=body, unbuffered=True, allow_redirects=False
         )
-        d.addTimeout(self.connect_timeout, self.clock)
+        timed_out = False
+
+        def give_up() -> None:
+            nonlocal timed_out
+            timed_out = True
+            d.cancel()
+
+        timer = self.clock.callLater(self.connect_timeout, give_up)
         try:
             return await d
-        except neterror.TimeoutError:
-            raise GatewayError(
-                504, f"upstream {self.name} sent no response headers within "
-                f"{self.connect_timeout:g}s"
-            ) from None
-        except CancelledError:
-            raise
         except Exception as e:
+            # Agent reports its own cancellation as ResponseNeverReceived([CancelledError]):
+            # ours (the timer) becomes a 504, the caller's (the client left) a CancelledError.
+            if timed_out:
+                raise GatewayError(
+                    504, f"upstream {self.name} sent no response headers within "
+                    f"{self.connect_timeout:g}s"
+                ) from None
+            if isinstance(e, CancelledError) or _wraps_cancel(e):
+                raise CancelledError() from None
             raise GatewayError(502, f"upstream {self.name} unreachable: {_reason(e)}") from None
+        finally:
+            if timer.active():
+                timer.cancel()
 
     def stream(
         self, response: IResponse, on_data: Callable[[bytes], None],
@@ -131,6 +143,34 @@ class Upstream:
         except UpstreamBroken:
             pass
         return b"".join(parts)
+
+
+class Backpressure:
+    """Links an upstream body's transport to the client's response as its producer.
+
+    The client's send buffer filling pauses the upstream socket; draining resumes it. After a
+    client disconnect twisted.web has detached the request's channel: there is then nothing to
+    register with or unregister from.
+    """
+
+    def __init__(self, request: IRequest) -> None:
+        self._request = request
+        self._registered = False
+
+    def __call__(self, producer: IPushProducer) -> None:
+        if self._request.channel is not None:
+            self._request.registerProducer(producer, True)
+            self._registered = True
+
+    def release(self) -> None:
+        if self._registered and self._request.channel is not None:
+            self._request.unregisterProducer()
+        self._registered = False
+
+
+def _wraps_cancel(e: BaseException) -> bool:
+    reasons = getattr(e, "reasons", None) or []
+    return any(isinstance(r, Failure) and r.check(CancelledError) for r in reasons)
 
 
 def _reason(e: BaseException) -> str:
