@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredSemaphore, ensureDeferred
-from twisted.internet.error import TimeoutError as DeferredTimeout
+from twisted.internet.defer import TimeoutError as DeferredTimeout
+
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.iweb import IRequest
 

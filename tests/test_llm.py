@@ -1,0 +1,261 @@
+"""The /llm Anthropic surface end to end against the real stub, over raw HTTP like curl."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from twisted.trial.unittest import TestCase
+
+from tests.grammar import check_stream
+from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
+from tests.test_proxy import async_test
+
+
+class LLMSurface(TestCase):
+    stub_settings: dict[str, Any] = {"delay": 0.02}
+    gateway_overrides: dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        self.servers = Servers(self)
+        self.stub_url, self.stub, self.log = self.servers.stub(**self.stub_settings)
+        self.servers.start_gateway(gateway_document(self.stub_url, **self.gateway_overrides))
+        self.port = self.servers.gateway_port
+
+    @property
+    def slots(self) -> Any:
+        return self.servers.gateway.pools["vllm"].slots
+
+    async def post(self, body: Any, path: str = "/llm/v1/messages", **kw: Any) -> Any:
+        response = raw_request(self.port, "POST", path, body, **kw)
+        await response.closed
+        return response
+
+    async def error(self, body: Any, status: int, error_type: str, **kw: Any) -> str:
+        response = await self.post(body, **kw)
+        self.assertEqual(response.status, status, response.body_text())
+        document = json.loads(response.body_text())
+        self.assertEqual(document["type"], "error")
+        self.assertEqual(document["error"]["type"], error_type)
+        self.assertTrue(response.header("request-id").startswith("req_"))
+        return str(document["error"]["message"])
+
+    async def settled(self) -> None:
+        await wait_for(lambda: self.slots.in_use == 0 and not self.slots.waiting, 2.0, "slots to be free")
+
+
+class Streaming(LLMSurface):
+    @async_test
+    async def test_thinking_then_text_as_curl_sees_it(self) -> None:
+        response = await self.post(chat())
+        self.assertEqual(response.status, 200)
+        self.assertEqual(response.header("content-type"), "text/event-stream; charset=utf-8")
+        self.assertIsNone(response.header("content-encoding"))
+        self.assertTrue(response.header("request-id").startswith("req_"))
+        self.assertTrue(response.body_text().startswith("event: message_start\n"))
+        frames = [data for _, data in response.frames()]
+        self.assertEqual(check_stream(frames, allow_queue=False), "complete")
+        starts = [f["content_block"]["type"] for f in frames if f["type"] == "content_block_start"]
+        self.assertEqual(starts, ["thinking", "text"])
+        self.assertNotIn("[DONE]", response.body_text())
+        self.assertEqual(frames[0]["message"]["model"], "reasoning")
+        usage = frames[0]["message"]["usage"]
+        self.assertEqual(usage["input_tokens"], self.stub_prompt_tokens())  # exact, via continuous usage
+        self.assertEqual(frames[-2]["usage"]["output_tokens"], 16)
+        await self.settled()
+
+    def stub_prompt_tokens(self) -> int:
+        return 1 + 4  # "hi" and one message, as the stub counts
+
+    @async_test
+    async def test_first_delta_is_flushed_before_the_upstream_finishes(self) -> None:
+        self.stub.settings.delay = 0.05
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await response.until_text("event: content_block_delta")
+        first_delta_at = time.monotonic()
+        await response.closed
+        self.assertLess(first_delta_at, self.log.events("complete")[0][0])
+
+    @async_test
+    async def test_content_only_tool_and_reasoning_only(self) -> None:
+        cases = {
+            "content-only": (["text"], "end_turn"),
+            "tool": (["text", "tool_use"], "tool_use"),
+            "parallel-tools": (["text", "tool_use", "tool_use"], "tool_use"),
+            "reasoning-only": (["thinking"], "max_tokens"),
+        }
+        for prompt, (blocks, stop_reason) in cases.items():
+            response = await self.post(chat(content=prompt, max_tokens=20))
+            frames = [data for _, data in response.frames()]
+            self.assertEqual(check_stream(frames, allow_queue=False), "complete", prompt)
+            starts = [f["content_block"]["type"] for f in frames if f["type"] == "content_block_start"]
+            self.assertEqual(starts, blocks, prompt)
+            self.assertEqual(frames[-2]["delta"]["stop_reason"], stop_reason, prompt)
+
+    @async_test
+    async def test_stop_sequence_is_reported(self) -> None:
+        response = await self.post(chat(content="stop", stop_sequences=["END", "###"]))
+        delta = [d for _, d in response.frames()][-2]["delta"]
+        self.assertEqual(delta, {"stop_reason": "stop_sequence", "stop_sequence": "END"})
+
+    @async_test
+    async def test_upstream_failures_mid_stream_end_with_an_error_frame(self) -> None:
+        for prompt in ("fail", "garbage", "reset", "truncate", "abort"):
+            response = await self.post(chat(content=prompt))
+            self.assertEqual(response.status, 200, prompt)
+            frames = [data for _, data in response.frames()]
+            self.assertEqual(frames[0]["type"], "message_start", prompt)
+            self.assertEqual(check_stream(frames, allow_queue=False), "error", prompt)
+            self.assertNotIn("message_stop", [f["type"] for f in frames], prompt)
+        await self.settled()
+
+    @async_test
+    async def test_client_disconnect_mid_stream_cancels_upstream_within_a_second(self) -> None:
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="long", max_tokens=512))
+        await response.until_text("text_delta")
+        response.disconnect()
+        left = time.monotonic()
+        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
+        self.assertLess(self.log.events("cancelled")[0][0] - left, 1.0)
+        await self.settled()
+
+    @async_test
+    async def test_client_disconnect_during_the_prefill_cancels_upstream(self) -> None:
+        self.stub.settings.hold = 30
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="long"))
+        await wait_for(lambda: self.log.events("start"), 2.0, "the stub to start")
+        self.assertEqual(response.raw, b"", "nothing is sent before message_start")
+        response.disconnect()
+        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
+        await self.settled()
+
+
+class Pings(LLMSurface):
+    gateway_overrides = {"server": {"ping_interval": 0.1}}
+    stub_settings = {"delay": 0.35, "reasoning_tokens": 0, "content_tokens": 2}
+
+    @async_test
+    async def test_silence_after_message_start_gets_pings(self) -> None:
+        response = await self.post(chat())
+        names = response.events()
+        self.assertEqual(names[0], "message_start")
+        self.assertIn("ping", names)
+        self.assertEqual(check_stream([d for _, d in response.frames()], allow_queue=False), "complete")
+
+    @async_test
+    async def test_idle_upstream_ends_the_stream_with_an_error(self) -> None:
+        self.servers.gateway.pools["vllm"].upstream.idle_timeout = 0.5
+        response = await self.post(chat(content="stall"))
+        frames = [d for _, d in response.frames()]
+        self.assertEqual(check_stream(frames, allow_queue=False), "error")
+        self.assertIn("silent", frames[-1]["error"]["message"])
+        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to be cancelled")
+
+
+class NonStreaming(LLMSurface):
+    @async_test
+    async def test_one_message_object(self) -> None:
+        response = await self.post(chat(stream=False, content="tool",
+                                        tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]))
+        self.assertEqual(response.status, 200)
+        message = json.loads(response.body_text())
+        self.assertEqual(message["type"], "message")
+        self.assertEqual(message["model"], "reasoning")
+        self.assertEqual([b["type"] for b in message["content"]], ["text", "tool_use"])
+        self.assertEqual(message["content"][1]["input"], {"city": "Paris", "unit": "celsius"})
+        self.assertEqual(message["content"][1]["name"], "get_weather")
+        self.assertEqual(message["stop_reason"], "tool_use")
+        self.assertGreater(message["usage"]["output_tokens"], 0)
+
+    @async_test
+    async def test_thinking_first_then_text(self) -> None:
+        message = json.loads((await self.post(chat(stream=False))).body_text())
+        self.assertEqual([b["type"] for b in message["content"]], ["thinking", "text"])
+        self.assertEqual(message["stop_reason"], "end_turn")
+
+    @async_test
+    async def test_upstream_failure_is_an_http_error(self) -> None:
+        self.assertIn("engine died", await self.error(chat(stream=False, content="fail"), 502, "api_error"))
+        await self.error(chat(stream=False, content="abort"), 529, "overloaded_error")
+
+
+class Errors(LLMSurface):
+    @async_test
+    async def test_client_mistakes(self) -> None:
+        self.assertIn("not valid JSON", await self.error(b"{nope", 400, "invalid_request_error"))
+        self.assertIn("nested too deeply", await self.error(b"[" * 100000, 400, "invalid_request_error"))
+        self.assertTrue((await self.error({"max_tokens": 5}, 400, "invalid_request_error")).startswith("model:"))
+        self.assertTrue((await self.error(chat(max_tokens="x"), 400, "invalid_request_error")).startswith("max_tokens:"))
+        self.assertIn("'ghost'", await self.error(chat(model="ghost"), 404, "not_found_error"))
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_wrong_method_is_405(self) -> None:
+        response = raw_request(self.port, "GET", "/llm/v1/messages")
+        await response.closed
+        self.assertEqual(response.status, 405)
+        self.assertEqual(json.loads(response.body_text())["error"]["type"], "invalid_request_error")
+
+    @async_test
+    async def test_body_over_the_limit_is_413(self) -> None:
+        self.servers.gateway.app.messages.max_body_bytes = 1000
+        body = chat(content="x" * 2000)
+        await self.error(body, 413, "request_too_large")
+
+    @async_test
+    async def test_upstream_refusals_before_the_stream(self) -> None:
+        self.assertIn("internal error", await self.error(chat(content="error500"), 502, "api_error"))
+        self.assertIn("maximum context length", await self.error(chat(content="error400"), 400, "invalid_request_error"))
+        await self.error(chat(content="overloaded"), 529, "overloaded_error")
+        await self.settled()
+
+    @async_test
+    async def test_unreachable_upstream_is_502(self) -> None:
+        self.servers.gateway.pools["vllm"].upstream.url = "http://127.0.0.1:1/v1"
+        self.assertIn("unreachable", await self.error(chat(), 502, "api_error"))
+        await self.settled()
+
+    @async_test
+    async def test_any_anthropic_version_and_either_auth_header_is_accepted(self) -> None:
+        for headers in ({"x-api-key": "k", "anthropic-version": "2099-01-01"},
+                        {"Authorization": "Bearer k", "anthropic-beta": "whatever-2025"}):
+            response = await self.post(chat(), **{"headers": headers})
+            self.assertEqual(response.status, 200)
+        response = await self.post(chat(), path="/llm/v1/messages?beta=true")
+        self.assertEqual(response.status, 200)
+
+
+class Catalogue(LLMSurface):
+    @async_test
+    async def test_models_list_and_get(self) -> None:
+        response = raw_request(self.port, "GET", "/llm/v1/models")
+        await response.closed
+        listing = json.loads(response.body_text())
+        self.assertEqual([m["id"] for m in listing["data"]], ["reasoning"])
+        entry = listing["data"][0]
+        self.assertEqual((entry["type"], entry["object"], entry["display_name"]), ("model", "model", "reasoning"))
+        self.assertFalse(listing["has_more"])
+        response = raw_request(self.port, "GET", "/llm/v1/models/reasoning")
+        await response.closed
+        self.assertEqual(json.loads(response.body_text())["id"], "reasoning")
+
+    @async_test
+    async def test_count_tokens_is_exact_via_tokenize(self) -> None:
+        body = {"model": "reasoning", "messages": [{"role": "user", "content": "one two three"}]}
+        response = await self.post(body, path="/llm/v1/messages/count_tokens")
+        self.assertEqual(json.loads(response.body_text()), {"input_tokens": 3 + 4})
+
+    @async_test
+    async def test_count_tokens_falls_back_to_an_estimate(self) -> None:
+        self.servers.gateway.pools["vllm"].upstream.url = "http://127.0.0.1:1/v1"
+        body = {"model": "reasoning", "messages": [{"role": "user", "content": "one two three"}]}
+        response = await self.post(body, path="/llm/v1/messages/count_tokens")
+        self.assertGreater(json.loads(response.body_text())["input_tokens"], 0)
+
+    @async_test
+    async def test_status_counts(self) -> None:
+        response = raw_request(self.port, "GET", "/llm/v1/status")
+        await response.closed
+        self.assertEqual(json.loads(response.body_text()),
+                         {"upstreams": {"vllm": {"slots": 2, "in_use": 0, "waiting": 0}}})

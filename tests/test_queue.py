@@ -1,0 +1,159 @@
+"""Slots and the queue over real sockets: queue frames, positions, leaving, limits, timeouts."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tests.grammar import check_stream
+from tests.helpers import chat, raw_request, wait_for
+from tests.test_llm import LLMSurface
+from tests.test_proxy import async_test
+
+
+class Queue(LLMSurface):
+    stub_settings = {"hold": 0.6, "delay": 0.01, "reasoning_tokens": 2, "content_tokens": 2}
+
+    def fill(self, n: int, **kw: Any) -> list[Any]:
+        return [raw_request(self.port, "POST", "/llm/v1/messages", chat(**kw)) for _ in range(n)]
+
+    async def drain(self, responses: list[Any]) -> None:
+        for response in responses:
+            await response.closed
+
+    @async_test
+    async def test_a_queued_stream_is_told_its_position_then_gets_the_standard_sequence(self) -> None:
+        busy = self.fill(4)
+        await wait_for(lambda: len(self.slots.waiting) == 2, 2.0, "two to queue")
+        sent = time.monotonic()
+        fifth = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await fifth.until_text("event: queue")
+        self.assertLess(time.monotonic() - sent, 1.0)
+        self.assertEqual(fifth.status, 200)
+        self.assertEqual(fifth.header("content-type"), "text/event-stream; charset=utf-8")
+        self.assertEqual(fifth.frames()[0], ("queue", {"type": "queue", "position": 3}))
+        await fifth.closed
+        frames = [d for _, d in fifth.frames()]
+        self.assertEqual(check_stream(frames), "complete")
+        positions = [f["position"] for f in frames if f["type"] == "queue"]
+        self.assertEqual(positions, sorted(positions, reverse=True))
+        self.assertEqual(positions[0], 3)
+        self.assertEqual(positions[-1], 1)
+        self.assertLessEqual(self.stub.stats.max_in_flight, 2)
+        await self.drain(busy)
+        await self.settled()
+
+    @async_test
+    async def test_dropping_queue_frames_leaves_a_valid_anthropic_stream(self) -> None:
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, 2.0, "slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.closed
+        frames = [d for _, d in queued.frames() if d["type"] != "queue"]
+        self.assertEqual(check_stream(frames, allow_queue=False), "complete")
+        await self.drain(busy)
+
+    @async_test
+    async def test_a_queued_client_that_leaves_never_reaches_the_upstream(self) -> None:
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, 2.0, "slots to fill")
+        leaver = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        stayer = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await stayer.until_text('"position":2')
+        leaver.disconnect()
+        await wait_for(lambda: len(self.slots.waiting) == 1, 1.0, "the leaver to leave the line")
+        await stayer.until_text('"position":1', timeout=2.0)
+        await self.drain([*busy, stayer])
+        self.assertEqual(self.stub.stats.requests, 3, "the leaver reached the upstream")
+        await self.settled()
+
+    @async_test
+    async def test_non_streaming_waits_silently_then_answers(self) -> None:
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, 2.0, "slots to fill")
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
+        await response.closed
+        self.assertEqual(response.status, 200)
+        self.assertEqual(json.loads(response.body_text())["type"], "message")
+        await self.drain(busy)
+
+    @async_test
+    async def test_queue_limit_rejects_at_once_without_touching_the_upstream(self) -> None:
+        self.slots.queue_limit = 1
+        busy = self.fill(3)
+        await wait_for(lambda: len(self.slots.waiting) == 1, 2.0, "the line to fill")
+        started = time.monotonic()
+        message = await self.error(chat(), 529, "overloaded_error")
+        self.assertLess(time.monotonic() - started, 0.5)
+        self.assertIn("queue is full", message)
+        await self.drain(busy)
+        self.assertEqual(self.stub.stats.requests, 3)
+        await self.settled()
+
+    @async_test
+    async def test_queue_full_carries_retry_after(self) -> None:
+        self.slots.queue_limit = 0
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, 2.0, "slots to fill")
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await response.closed
+        self.assertEqual(response.status, 529)
+        self.assertGreater(int(response.header("retry-after")), 0)
+        await self.drain(busy)
+
+    @async_test
+    async def test_queue_timeout_after_queue_frames_is_an_error_frame(self) -> None:
+        self.servers.gateway.pools["vllm"].queue_timeout = 0.3
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, 2.0, "slots to fill")
+        streamed = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        whole = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
+        await streamed.closed
+        await whole.closed
+        frames = [d for _, d in streamed.frames()]
+        self.assertEqual([f["type"] for f in frames], ["queue", "error"])
+        self.assertEqual(frames[-1]["error"]["type"], "overloaded_error")
+        self.assertEqual(whole.status, 529)
+        await self.drain(busy)
+        self.assertEqual(self.stub.stats.requests, 2)
+        await self.settled()
+
+    @async_test
+    async def test_an_upstream_refusal_after_queue_frames_is_an_error_frame(self) -> None:
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, 2.0, "slots to fill")
+        refused = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="error500"))
+        await refused.closed
+        self.assertEqual(refused.status, 200)
+        self.assertEqual([name for name, _ in refused.frames()][-1], "error")
+        self.assertEqual(check_stream([d for _, d in refused.frames()]), "error")
+        await self.drain(busy)
+
+    @async_test
+    async def test_status_shows_slots_and_waiters(self) -> None:
+        busy = self.fill(3)
+        await wait_for(lambda: len(self.slots.waiting) == 1, 2.0, "one to queue")
+        response = raw_request(self.port, "GET", "/llm/v1/status")
+        await response.closed
+        self.assertEqual(json.loads(response.body_text())["upstreams"]["vllm"],
+                         {"slots": 2, "in_use": 2, "waiting": 1})
+        await self.drain(busy)
+        await self.settled()
+
+
+class QueueKeepAlive(LLMSurface):
+    stub_settings = {"hold": 0.8, "reasoning_tokens": 0, "content_tokens": 1}
+    gateway_overrides = {"slots": 1, "server": {"ping_interval": 0.2}}
+
+    @async_test
+    async def test_an_unchanged_position_is_repeated_every_ping_interval(self) -> None:
+        busy = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.closed
+        positions = [d["position"] for name, d in queued.frames() if name == "queue"]
+        self.assertGreaterEqual(len(positions), 3)
+        self.assertEqual(set(positions), {1})
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await busy.closed
