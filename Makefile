@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install lint bench
+.PHONY: demo test install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,6 @@ demo: install
 	$(BIN)/twistd --nodaemon --pidfile= homelab-gateway --demo
 
 test: install
-	$(BIN)/ruff check src tests twisted bench
+	$(BIN)/ruff check src tests twisted
+	$(BIN)/ruff format --check src tests twisted
 	$(BIN)/python -m pytest
-
-bench: install
-	$(BIN)/python -m bench

@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-DELTA_FOR_BLOCK = {"text": "text_delta", "thinking": "thinking_delta", "tool_use": "input_json_delta"}
+DELTA_FOR_BLOCK = {
+    "text": "text_delta",
+    "thinking": "thinking_delta",
+    "tool_use": "input_json_delta",
+}
 
 
 def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) -> str:
@@ -32,7 +36,9 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["id"].startswith("msg_") and message["content"] == []
     assert message["stop_reason"] is None and message["stop_sequence"] is None
-    assert isinstance(message["usage"]["input_tokens"], int) and message["usage"]["input_tokens"] > 0
+    assert (
+        isinstance(message["usage"]["input_tokens"], int) and message["usage"]["input_tokens"] > 0
+    )
 
     open_block: dict[str, Any] | None = None
     next_index = 0
@@ -55,7 +61,9 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
             open_block = {"index": event["index"], "type": block["type"]}
             next_index += 1
         elif kind == "content_block_delta":
-            assert open_block is not None and event["index"] == open_block["index"], "delta outside its block"
+            assert open_block is not None and event["index"] == open_block["index"], (
+                "delta outside its block"
+            )
             assert event["delta"]["type"] == DELTA_FOR_BLOCK[open_block["type"]]
             text = next(v for k, v in event["delta"].items() if k != "type")
             assert isinstance(text, str) and text, "empty delta"
@@ -65,7 +73,12 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
         elif kind == "message_delta":
             assert open_block is None, "message_delta with a block open"
             assert event["delta"]["stop_reason"] in (
-                "end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"
+                "end_turn",
+                "max_tokens",
+                "stop_sequence",
+                "tool_use",
+                "pause_turn",
+                "refusal",
             )
             assert isinstance(event["usage"]["output_tokens"], int)
             finished = True

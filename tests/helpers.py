@@ -86,12 +86,20 @@ class Servers:
         for factory in self.factories:
             for protocol in list(factory.protocols):
                 protocol.transport.abortConnection()
-        await wait_for(lambda: not any(f.protocols for f in self.factories), 5, "connections to close")
+        await wait_for(
+            lambda: not any(f.protocols for f in self.factories), 5, "connections to close"
+        )
 
 
-def gateway_document(stub_url: str, *, slots: int = 2, server: dict[str, Any] | None = None,
-                     upstream: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
-                     routes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def gateway_document(
+    stub_url: str,
+    *,
+    slots: int = 2,
+    server: dict[str, Any] | None = None,
+    upstream: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
+    routes: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {
         "server": {"ping_interval": 10, **(server or {})},
         "upstreams": {"vllm": {"url": stub_url, "slots": slots, **(upstream or {})}},
@@ -166,7 +174,7 @@ class RawResponse(Protocol):
                 out += rest[:size] if size else b""
                 break
             out += rest[:size]
-            body = rest[size + 2:]
+            body = rest[size + 2 :]
         return out
 
     def body_text(self) -> str:
@@ -179,9 +187,11 @@ class RawResponse(Protocol):
             if not block.strip():
                 continue
             lines = block.split("\n")
-            assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block
-            data = json.loads(lines[1][len("data: "):])
-            assert data["type"] == lines[0][len("event: "):], block
+            assert (
+                len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: ")
+            ), block
+            data = json.loads(lines[1][len("data: ") :])
+            assert data["type"] == lines[0][len("event: ") :], block
             out.append((data["type"], data))
         return out
 
@@ -189,13 +199,21 @@ class RawResponse(Protocol):
         return [name for name, _ in self.frames()]
 
 
-def raw_request(port: int, method: str, path: str, body: Any = None,
-                headers: dict[str, str] | None = None) -> RawResponse:
+def raw_request(
+    port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> RawResponse:
     """Open a connection and send one request, as curl would; returns the live response."""
     protocol = RawResponse()
-    payload = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "User-Agent: curl/8.5.0",
-             "Accept: */*", "Connection: close"]
+    payload = (
+        b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    )
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "User-Agent: curl/8.5.0",
+        "Accept: */*",
+        "Connection: close",
+    ]
     if body is not None:
         lines += ["Content-Type: application/json", f"Content-Length: {len(payload)}"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
@@ -210,7 +228,18 @@ def raw_request(port: int, method: str, path: str, body: Any = None,
     return protocol
 
 
-def chat(model: str = "reasoning", content: str = "hi", *, stream: bool = True, max_tokens: int = 64,
-         **extra: Any) -> dict[str, Any]:
-    return {"model": model, "max_tokens": max_tokens, "stream": stream,
-            "messages": [{"role": "user", "content": content}], **extra}
+def chat(
+    model: str = "reasoning",
+    content: str = "hi",
+    *,
+    stream: bool = True,
+    max_tokens: int = 64,
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }

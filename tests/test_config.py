@@ -68,7 +68,9 @@ def test_the_documented_example_parses(tmp_path: Path) -> None:
     assert reasoning.params == {"chat_template_kwargs": {"enable_thinking": True}}
     assert config.models["qwen2.5:3b-instruct"].upstream_model == "qwen2.5:3b-instruct"
     assert [(r.prefix, r.upstream, r.url) for r in config.routes] == [
-        ("/openai/", "vllm", None), ("/nas/", None, "http://192.0.2.10:5000")]
+        ("/openai/", "vllm", None),
+        ("/nas/", None, "http://192.0.2.10:5000"),
+    ]
 
 
 @pytest.mark.parametrize("name", ["homelab-gateway.toml"])
@@ -85,29 +87,63 @@ def test_bad_toml(tmp_path: Path) -> None:
     assert error(tmp_path, "[server\nlisten=").startswith("invalid TOML:")
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("bogus = 1", "bogus: unknown key"),
-    ("[server]\nlisten = 'tcp:nope'", "server.listen: bad endpoint string"),
-    ("[server]\nlisten = 'carrier-pigeon:1'", "server.listen: bad endpoint string"),
-    ("[server]\nlisten = 'tcp:99999'", "server.listen: bad endpoint string"),
-    ("[server]\nping_interval = 0", "server.ping_interval: must be a positive number"),
-    ("[upstreams.v]\nslots = 1", "upstreams.v.url: is required"),
-    ("[upstreams.v]\nurl = 'ftp://x/v1'\nslots = 1", "upstreams.v.url: must be an http:// or https:// URL"),
-    ("[upstreams.v]\nurl = 'http://x:notaport/v1'\nslots = 1", "upstreams.v.url: has a bad port"),
-    ("[upstreams.v]\nurl = 'http://x/v1'", "upstreams.v.slots: is required"),
-    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 0", "upstreams.v.slots: must be an integer >= 1"),
-    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 'six'", "upstreams.v.slots: must be an integer >= 1"),
-    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nspeed = 3", "upstreams.v.speed: unknown key"),
-    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\napi_key_env = 'NOPE'", "upstreams.v.api_key_env: environment variable NOPE is not set"),
-    ("[models.m]\nupstream = 'ghost'", "models.m.upstream: names unknown upstream 'ghost'"),
-    ("[models.m]\nupstream_model = 'x'", "models.m.upstream: is required"),
-    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\n[models.m]\nupstream = 'v'\nparams = 3", "models.m.params: must be a table"),
-    ("[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\n[[routes]]\nprefix = 'openai'\nupstream = 'v'", "routes[0].prefix: must start and end with '/'"),
-    ("[[routes]]\nprefix = '/x/'", "routes[0]: needs exactly one of 'upstream' or 'url'"),
-    ("[[routes]]\nprefix = '/llm/x/'\nurl = 'http://x'", "routes[0].prefix: '/llm/x/' is reserved"),
-    ("[[routes]]\nprefix = '/x/'\nurl = 'http://x'\n[[routes]]\nprefix = '/x/'\nurl = 'http://y'", "routes[1].prefix: '/x/' is used by another route"),
-    ("routes = 3", "routes: must be an array of tables"),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("bogus = 1", "bogus: unknown key"),
+        ("[server]\nlisten = 'tcp:nope'", "server.listen: bad endpoint string"),
+        ("[server]\nlisten = 'carrier-pigeon:1'", "server.listen: bad endpoint string"),
+        ("[server]\nlisten = 'tcp:99999'", "server.listen: bad endpoint string"),
+        ("[server]\nping_interval = 0", "server.ping_interval: must be a positive number"),
+        ("[upstreams.v]\nslots = 1", "upstreams.v.url: is required"),
+        (
+            "[upstreams.v]\nurl = 'ftp://x/v1'\nslots = 1",
+            "upstreams.v.url: must be an http:// or https:// URL",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x:notaport/v1'\nslots = 1",
+            "upstreams.v.url: has a bad port",
+        ),
+        ("[upstreams.v]\nurl = 'http://x/v1'", "upstreams.v.slots: is required"),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 0",
+            "upstreams.v.slots: must be an integer >= 1",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 'six'",
+            "upstreams.v.slots: must be an integer >= 1",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nspeed = 3",
+            "upstreams.v.speed: unknown key",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\napi_key_env = 'NOPE'",
+            "upstreams.v.api_key_env: environment variable NOPE is not set",
+        ),
+        ("[models.m]\nupstream = 'ghost'", "models.m.upstream: names unknown upstream 'ghost'"),
+        ("[models.m]\nupstream_model = 'x'", "models.m.upstream: is required"),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\n[models.m]\nupstream = 'v'\nparams = 3",
+            "models.m.params: must be a table",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\n"
+            "[[routes]]\nprefix = 'openai'\nupstream = 'v'",
+            "routes[0].prefix: must start and end with '/'",
+        ),
+        ("[[routes]]\nprefix = '/x/'", "routes[0]: needs exactly one of 'upstream' or 'url'"),
+        (
+            "[[routes]]\nprefix = '/llm/x/'\nurl = 'http://x'",
+            "routes[0].prefix: '/llm/x/' is reserved",
+        ),
+        (
+            "[[routes]]\nprefix = '/x/'\nurl = 'http://x'\n[[routes]]\nprefix = '/x/'\nurl = 'http://y'",
+            "routes[1].prefix: '/x/' is used by another route",
+        ),
+        ("routes = 3", "routes: must be an array of tables"),
+    ],
+)
 def test_every_mistake_names_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert error(tmp_path, text).startswith(expected)
 

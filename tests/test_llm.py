@@ -42,7 +42,9 @@ class LLMSurface(TestCase):
         return str(document["error"]["message"])
 
     async def settled(self) -> None:
-        await wait_for(lambda: self.slots.in_use == 0 and not self.slots.waiting, 2.0, "slots to be free")
+        await wait_for(
+            lambda: self.slots.in_use == 0 and not self.slots.waiting, 2.0, "slots to be free"
+        )
 
 
 class Streaming(LLMSurface):
@@ -61,7 +63,9 @@ class Streaming(LLMSurface):
         self.assertNotIn("[DONE]", response.body_text())
         self.assertEqual(frames[0]["message"]["model"], "reasoning")
         usage = frames[0]["message"]["usage"]
-        self.assertEqual(usage["input_tokens"], self.stub_prompt_tokens())  # exact, via continuous usage
+        self.assertEqual(
+            usage["input_tokens"], self.stub_prompt_tokens()
+        )  # exact, via continuous usage
         self.assertEqual(frames[-2]["usage"]["output_tokens"], 16)
         await self.settled()
 
@@ -89,7 +93,9 @@ class Streaming(LLMSurface):
             response = await self.post(chat(content=prompt, max_tokens=20))
             frames = [data for _, data in response.frames()]
             self.assertEqual(check_stream(frames, allow_queue=False), "complete", prompt)
-            starts = [f["content_block"]["type"] for f in frames if f["type"] == "content_block_start"]
+            starts = [
+                f["content_block"]["type"] for f in frames if f["type"] == "content_block_start"
+            ]
             self.assertEqual(starts, blocks, prompt)
             self.assertEqual(frames[-2]["delta"]["stop_reason"], stop_reason, prompt)
 
@@ -112,7 +118,9 @@ class Streaming(LLMSurface):
 
     @async_test
     async def test_client_disconnect_mid_stream_cancels_upstream_within_a_second(self) -> None:
-        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="long", max_tokens=512))
+        response = raw_request(
+            self.port, "POST", "/llm/v1/messages", chat(content="long", max_tokens=512)
+        )
         await response.until_text("text_delta")
         response.disconnect()
         left = time.monotonic()
@@ -141,7 +149,9 @@ class Pings(LLMSurface):
         names = response.events()
         self.assertEqual(names[0], "message_start")
         self.assertIn("ping", names)
-        self.assertEqual(check_stream([d for _, d in response.frames()], allow_queue=False), "complete")
+        self.assertEqual(
+            check_stream([d for _, d in response.frames()], allow_queue=False), "complete"
+        )
 
     @async_test
     async def test_idle_upstream_ends_the_stream_with_an_error(self) -> None:
@@ -156,8 +166,13 @@ class Pings(LLMSurface):
 class NonStreaming(LLMSurface):
     @async_test
     async def test_one_message_object(self) -> None:
-        response = await self.post(chat(stream=False, content="tool",
-                                        tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]))
+        response = await self.post(
+            chat(
+                stream=False,
+                content="tool",
+                tools=[{"name": "get_weather", "input_schema": {"type": "object"}}],
+            )
+        )
         self.assertEqual(response.status, 200)
         message = json.loads(response.body_text())
         self.assertEqual(message["type"], "message")
@@ -176,7 +191,9 @@ class NonStreaming(LLMSurface):
 
     @async_test
     async def test_upstream_failure_is_an_http_error(self) -> None:
-        self.assertIn("engine died", await self.error(chat(stream=False, content="fail"), 502, "api_error"))
+        self.assertIn(
+            "engine died", await self.error(chat(stream=False, content="fail"), 502, "api_error")
+        )
         await self.error(chat(stream=False, content="abort"), 529, "overloaded_error")
 
 
@@ -184,9 +201,17 @@ class Errors(LLMSurface):
     @async_test
     async def test_client_mistakes(self) -> None:
         self.assertIn("not valid JSON", await self.error(b"{nope", 400, "invalid_request_error"))
-        self.assertIn("nested too deeply", await self.error(b"[" * 100000, 400, "invalid_request_error"))
-        self.assertTrue((await self.error({"max_tokens": 5}, 400, "invalid_request_error")).startswith("model:"))
-        self.assertTrue((await self.error(chat(max_tokens="x"), 400, "invalid_request_error")).startswith("max_tokens:"))
+        self.assertIn(
+            "nested too deeply", await self.error(b"[" * 100000, 400, "invalid_request_error")
+        )
+        self.assertTrue(
+            (await self.error({"max_tokens": 5}, 400, "invalid_request_error")).startswith("model:")
+        )
+        self.assertTrue(
+            (await self.error(chat(max_tokens="x"), 400, "invalid_request_error")).startswith(
+                "max_tokens:"
+            )
+        )
         self.assertIn("'ghost'", await self.error(chat(model="ghost"), 404, "not_found_error"))
         self.assertEqual(self.stub.stats.requests, 0)
 
@@ -205,8 +230,13 @@ class Errors(LLMSurface):
 
     @async_test
     async def test_upstream_refusals_before_the_stream(self) -> None:
-        self.assertIn("internal error", await self.error(chat(content="error500"), 502, "api_error"))
-        self.assertIn("maximum context length", await self.error(chat(content="error400"), 400, "invalid_request_error"))
+        self.assertIn(
+            "internal error", await self.error(chat(content="error500"), 502, "api_error")
+        )
+        self.assertIn(
+            "maximum context length",
+            await self.error(chat(content="error400"), 400, "invalid_request_error"),
+        )
         await self.error(chat(content="overloaded"), 529, "overloaded_error")
         await self.settled()
 
@@ -218,8 +248,10 @@ class Errors(LLMSurface):
 
     @async_test
     async def test_any_anthropic_version_and_either_auth_header_is_accepted(self) -> None:
-        for headers in ({"x-api-key": "k", "anthropic-version": "2099-01-01"},
-                        {"Authorization": "Bearer k", "anthropic-beta": "whatever-2025"}):
+        for headers in (
+            {"x-api-key": "k", "anthropic-version": "2099-01-01"},
+            {"Authorization": "Bearer k", "anthropic-beta": "whatever-2025"},
+        ):
             response = await self.post(chat(), **{"headers": headers})
             self.assertEqual(response.status, 200)
         response = await self.post(chat(), path="/llm/v1/messages?beta=true")
@@ -234,7 +266,9 @@ class Catalogue(LLMSurface):
         listing = json.loads(response.body_text())
         self.assertEqual([m["id"] for m in listing["data"]], ["reasoning"])
         entry = listing["data"][0]
-        self.assertEqual((entry["type"], entry["object"], entry["display_name"]), ("model", "model", "reasoning"))
+        self.assertEqual(
+            (entry["type"], entry["object"], entry["display_name"]), ("model", "model", "reasoning")
+        )
         self.assertFalse(listing["has_more"])
         response = raw_request(self.port, "GET", "/llm/v1/models/reasoning")
         await response.closed
@@ -257,5 +291,7 @@ class Catalogue(LLMSurface):
     async def test_status_counts(self) -> None:
         response = raw_request(self.port, "GET", "/llm/v1/status")
         await response.closed
-        self.assertEqual(json.loads(response.body_text()),
-                         {"upstreams": {"vllm": {"slots": 2, "in_use": 0, "waiting": 0}}})
+        self.assertEqual(
+            json.loads(response.body_text()),
+            {"upstreams": {"vllm": {"slots": 2, "in_use": 0, "waiting": 0}}},
+        )

@@ -14,12 +14,22 @@ MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/QwQ-
 
 
 def mapped(model: ModelConfig = MODEL, **body: Any) -> dict[str, Any]:
-    request = {"model": "reasoning", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], **body}
+    request = {
+        "model": "reasoning",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "hi"}],
+        **body,
+    }
     return map_request(request, model).body
 
 
 def rejected(**body: Any) -> str:
-    request = {"model": "reasoning", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], **body}
+    request = {
+        "model": "reasoning",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "hi"}],
+        **body,
+    }
     with pytest.raises(InvalidRequest) as info:
         map_request(request, MODEL)
     return str(info.value)
@@ -28,25 +38,40 @@ def rejected(**body: Any) -> str:
 def test_minimal_request() -> None:
     body = mapped()
     assert body == {
-        "model": "Qwen/QwQ-32B", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "model": "Qwen/QwQ-32B",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 100,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
 
 
 def test_continuous_usage_stats_can_be_left_out_for_strict_upstreams() -> None:
-    request = {"model": "reasoning", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
-    assert map_request(request, MODEL, continuous_usage_stats=False).body["stream_options"] == {"include_usage": True}
+    request = {
+        "model": "reasoning",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    assert map_request(request, MODEL, continuous_usage_stats=False).body["stream_options"] == {
+        "include_usage": True
+    }
 
 
 def test_system_string_and_blocks_with_cache_control() -> None:
     assert mapped(system="be brief")["messages"][0] == {"role": "system", "content": "be brief"}
-    blocks = [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "b"}]
+    blocks = [
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "b"},
+    ]
     assert mapped(system=blocks)["messages"][0] == {"role": "system", "content": "a\n\nb"}
 
 
 def test_system_role_inside_messages_maps_in_place() -> None:
-    messages = [{"role": "user", "content": "a"}, {"role": "system", "content": "rule"},
-                {"role": "user", "content": "b"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "system", "content": "rule"},
+        {"role": "user", "content": "b"},
+    ]
     assert [m["role"] for m in mapped(messages=messages)["messages"]] == ["user", "system", "user"]
 
 
@@ -56,38 +81,68 @@ def test_user_blocks_text_and_images() -> None:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}},
         {"type": "image", "source": {"type": "url", "url": "https://example.org/a.png"}},
     ]
-    assert mapped(messages=[{"role": "user", "content": content}])["messages"] == [{"role": "user", "content": [
-        {"type": "text", "text": "look"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}},
-        {"type": "image_url", "image_url": {"url": "https://example.org/a.png"}},
-    ]}]
+    assert mapped(messages=[{"role": "user", "content": content}])["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}},
+                {"type": "image_url", "image_url": {"url": "https://example.org/a.png"}},
+            ],
+        }
+    ]
 
 
 def test_text_only_blocks_become_one_string() -> None:
     content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert mapped(messages=[{"role": "user", "content": content}])["messages"] == [{"role": "user", "content": "ab"}]
+    assert mapped(messages=[{"role": "user", "content": content}])["messages"] == [
+        {"role": "user", "content": "ab"}
+    ]
 
 
 TOOL_TURN = [
     {"role": "user", "content": "weather?"},
-    {"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "need tool", "signature": "sig"},
-        {"type": "redacted_thinking", "data": "xx"},
-        {"type": "text", "text": "Checking."},
-        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
-    ]},
-    {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]},
-        {"type": "text", "text": "thanks"},
-    ]},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "need tool", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "xx"},
+            {"type": "text", "text": "Checking."},
+            {
+                "type": "tool_use",
+                "id": "toolu_1",
+                "name": "get_weather",
+                "input": {"city": "Paris"},
+            },
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_1",
+                "content": [{"type": "text", "text": "18C"}],
+            },
+            {"type": "text", "text": "thanks"},
+        ],
+    },
 ]
 
 
 def test_tool_use_and_tool_result_round_trip() -> None:
     messages = mapped(messages=TOOL_TURN)["messages"]
-    assert messages[1] == {"role": "assistant", "content": "Checking.", "tool_calls": [
-        {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-    ]}
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {
+                "id": "toolu_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+        ],
+    }
     assert messages[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"}
     assert messages[3] == {"role": "user", "content": "thanks"}
 
@@ -97,40 +152,90 @@ def test_thinking_blocks_are_not_sent_back_as_text() -> None:
 
 
 def test_tool_result_error_string_content_and_images() -> None:
-    turn = [*TOOL_TURN[:2], {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True, "content": "failed"},
-    ]}]
-    assert mapped(messages=turn)["messages"][2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "failed"}
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "aGk="}}
-    turn[2] = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}]}
+    turn = [
+        *TOOL_TURN[:2],
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "is_error": True,
+                    "content": "failed",
+                },
+            ],
+        },
+    ]
+    assert mapped(messages=turn)["messages"][2] == {
+        "role": "tool",
+        "tool_call_id": "toolu_1",
+        "content": "failed",
+    }
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/jpeg", "data": "aGk="},
+    }
+    turn[2] = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}],
+    }
     out = mapped(messages=turn)["messages"]
     assert out[2]["role"] == "tool" and out[3]["role"] == "user"
     assert out[3]["content"][0]["type"] == "image_url"
 
 
 def test_tool_result_without_a_matching_tool_use_is_a_bad_role_order() -> None:
-    message = rejected(messages=[{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}])
+    message = rejected(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}],
+            }
+        ]
+    )
     assert message.startswith("messages.0.content.0.tool_use_id:")
 
 
 def test_tools_and_tool_choice() -> None:
-    tools = [{"name": "f", "description": "does f", "input_schema": {"type": "object"},
-              "cache_control": {"type": "ephemeral"}}]
+    tools = [
+        {
+            "name": "f",
+            "description": "does f",
+            "input_schema": {"type": "object"},
+            "cache_control": {"type": "ephemeral"},
+        }
+    ]
     body = mapped(tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True})
-    assert body["tools"] == [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object"}, "description": "does f"}}]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object"}, "description": "does f"},
+        }
+    ]
     assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
     assert mapped(tool_choice={"type": "auto"})["tool_choice"] == "auto"
     assert mapped(tool_choice={"type": "none"})["tool_choice"] == "none"
-    assert mapped(tool_choice={"type": "tool", "name": "f"})["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert mapped(tool_choice={"type": "tool", "name": "f"})["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "f"},
+    }
 
 
 def test_sampling_stop_and_user() -> None:
-    body = mapped(temperature=0.2, top_p=0.9, top_k=20, stop_sequences=["END"],
-                  metadata={"user_id": '{"device":"x"}'})
+    body = mapped(
+        temperature=0.2,
+        top_p=0.9,
+        top_k=20,
+        stop_sequences=["END"],
+        metadata={"user_id": '{"device":"x"}'},
+    )
     assert (body["temperature"], body["top_p"], body["top_k"], body["stop"], body["user"]) == (
-        0.2, 0.9, 20, ["END"], '{"device":"x"}')
+        0.2,
+        0.9,
+        20,
+        ["END"],
+        '{"device":"x"}',
+    )
 
 
 def test_max_tokens_is_clamped_to_the_model_limit() -> None:
@@ -140,8 +245,17 @@ def test_max_tokens_is_clamped_to_the_model_limit() -> None:
 
 
 def test_config_params_merge_under_the_clients_fields() -> None:
-    model = ModelConfig(name="r", upstream="v", upstream_model="m", map_thinking=True,
-                        params={"top_k": 20, "temperature": 0.6, "chat_template_kwargs": {"enable_thinking": True, "x": 1}})
+    model = ModelConfig(
+        name="r",
+        upstream="v",
+        upstream_model="m",
+        map_thinking=True,
+        params={
+            "top_k": 20,
+            "temperature": 0.6,
+            "chat_template_kwargs": {"enable_thinking": True, "x": 1},
+        },
+    )
     body = mapped(model, temperature=0.1, thinking={"type": "disabled"})
     assert body["top_k"] == 20 and body["temperature"] == 0.1
     assert body["chat_template_kwargs"] == {"enable_thinking": False, "x": 1}
@@ -149,52 +263,128 @@ def test_config_params_merge_under_the_clients_fields() -> None:
 
 def test_thinking_and_effort_map_only_where_the_model_says_so() -> None:
     assert "chat_template_kwargs" not in mapped(thinking={"type": "enabled", "budget_tokens": 1024})
-    model = ModelConfig(name="r", upstream="v", upstream_model="m", map_thinking=True, map_effort=True)
-    body = mapped(model, thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "max"})
-    assert body["chat_template_kwargs"] == {"enable_thinking": True} and body["reasoning_effort"] == "high"
+    model = ModelConfig(
+        name="r", upstream="v", upstream_model="m", map_thinking=True, map_effort=True
+    )
+    body = mapped(
+        model, thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "max"}
+    )
+    assert (
+        body["chat_template_kwargs"] == {"enable_thinking": True}
+        and body["reasoning_effort"] == "high"
+    )
 
 
 def test_what_claude_code_sends_is_accepted() -> None:
     body = {
-        "model": "reasoning", "max_tokens": 32000, "stream": True,
-        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
-        "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
-        "context_management": {"edits": []}, "metadata": {"user_id": '{"session":"abc"}'},
-        "tools": [{"name": f"tool{i}", "description": "d", "input_schema": {"type": "object"}} for i in range(12)],
-        "betas": ["x"], "anthropic_beta": "y",
+        "model": "reasoning",
+        "max_tokens": 32000,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+            }
+        ],
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": []},
+        "metadata": {"user_id": '{"session":"abc"}'},
+        "tools": [
+            {"name": f"tool{i}", "description": "d", "input_schema": {"type": "object"}}
+            for i in range(12)
+        ],
+        "betas": ["x"],
+        "anthropic_beta": "y",
     }
     out = map_request(body, MODEL)
     assert out.stream and len(out.body["tools"]) == 12 and out.body["user"] == '{"session":"abc"}'
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"max_tokens": "100"}, "max_tokens:"),
-    ({"max_tokens": 0}, "max_tokens:"),
-    ({"max_tokens": True}, "max_tokens:"),
-    ({"messages": []}, "messages:"),
-    ({"messages": "hi"}, "messages:"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role:"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content:"),
-    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0.type:"),
-    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content.0.type:"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!"}}]}]},
-     "messages.0.content.0.source.data:"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "text/html", "data": "aGk="}}]}]},
-     "messages.0.content.0.source.media_type:"),
-    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}]}]},
-     "messages.0.content.0.input:"),
-    ({"stream": "yes"}, "stream:"),
-    ({"temperature": "hot"}, "temperature:"),
-    ({"stop_sequences": "END"}, "stop_sequences:"),
-    ({"tools": [{"name": "f"}]}, "tools.0.input_schema:"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type:"),
-    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type:"),
-    ({"thinking": {"type": "maybe"}}, "thinking.type:"),
-    ({"output_config": {"effort": "extreme"}}, "output_config.effort:"),
-    ({"metadata": {"user_id": 5}}, "metadata.user_id:"),
-    ({"system": 5}, "system:"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"max_tokens": "100"}, "max_tokens:"),
+        ({"max_tokens": 0}, "max_tokens:"),
+        ({"max_tokens": True}, "max_tokens:"),
+        ({"messages": []}, "messages:"),
+        ({"messages": "hi"}, "messages:"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role:"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content:"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "messages.0.content.0.type:",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"text": "no type"}]}]},
+            "messages.0.content.0.type:",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "!!",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.0.source.data:",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "text/html",
+                                    "data": "aGk=",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.0.source.media_type:",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}],
+                    }
+                ]
+            },
+            "messages.0.content.0.input:",
+        ),
+        ({"stream": "yes"}, "stream:"),
+        ({"temperature": "hot"}, "temperature:"),
+        ({"stop_sequences": "END"}, "stop_sequences:"),
+        ({"tools": [{"name": "f"}]}, "tools.0.input_schema:"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type:"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type:"),
+        ({"thinking": {"type": "maybe"}}, "thinking.type:"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort:"),
+        ({"metadata": {"user_id": 5}}, "metadata.user_id:"),
+        ({"system": 5}, "system:"),
+    ],
+)
 def test_bad_fields_are_named(body: dict[str, Any], field: str) -> None:
     assert rejected(**body).startswith(field)
 
@@ -207,6 +397,11 @@ def test_count_only_does_not_need_max_tokens() -> None:
 
 
 def test_estimate_grows_with_the_prompt() -> None:
-    short = map_request({"model": "r", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}, MODEL)
-    long = map_request({"model": "r", "max_tokens": 1, "messages": [{"role": "user", "content": "hi " * 400}]}, MODEL)
+    short = map_request(
+        {"model": "r", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}, MODEL
+    )
+    long = map_request(
+        {"model": "r", "max_tokens": 1, "messages": [{"role": "user", "content": "hi " * 400}]},
+        MODEL,
+    )
     assert 0 < short.estimated_input_tokens < long.estimated_input_tokens

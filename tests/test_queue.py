@@ -23,7 +23,9 @@ class Queue(LLMSurface):
             await response.closed
 
     @async_test
-    async def test_a_queued_stream_is_told_its_position_then_gets_the_standard_sequence(self) -> None:
+    async def test_a_queued_stream_is_told_its_position_then_gets_the_standard_sequence(
+        self,
+    ) -> None:
         busy = self.fill(4)
         await wait_for(lambda: len(self.slots.waiting) == 2, 2.0, "two to queue")
         sent = time.monotonic()
@@ -136,8 +138,10 @@ class Queue(LLMSurface):
         await wait_for(lambda: len(self.slots.waiting) == 1, 2.0, "one to queue")
         response = raw_request(self.port, "GET", "/llm/v1/status")
         await response.closed
-        self.assertEqual(json.loads(response.body_text())["upstreams"]["vllm"],
-                         {"slots": 2, "in_use": 2, "waiting": 1})
+        self.assertEqual(
+            json.loads(response.body_text())["upstreams"]["vllm"],
+            {"slots": 2, "in_use": 2, "waiting": 1},
+        )
         await self.drain(busy)
         await self.settled()
 

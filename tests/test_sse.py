@@ -35,7 +35,9 @@ def test_comments_and_unknown_fields_are_ignored() -> None:
 
 def test_crlf_and_lone_cr_line_ends() -> None:
     assert parse_all([b"data: a\r\n\r\ndata: b\r\rdata: c\n\n"]) == [
-        ServerSentEvent("a"), ServerSentEvent("b"), ServerSentEvent("c"),
+        ServerSentEvent("a"),
+        ServerSentEvent("b"),
+        ServerSentEvent("c"),
     ]
 
 
@@ -67,13 +69,20 @@ def test_encode_event_names_the_frame_after_its_type() -> None:
     frame = encode_event({"type": "content_block_delta", "text": "line\nbreak \u00e9"})
     name, data, end = frame.split(b"\n", 2)
     assert name == b"event: content_block_delta"
-    assert json.loads(data[len(b"data: "):]) == {"type": "content_block_delta", "text": "line\nbreak \u00e9"}
+    assert json.loads(data[len(b"data: ") :]) == {
+        "type": "content_block_delta",
+        "text": "line\nbreak \u00e9",
+    }
     assert end == b"\n"
 
 
 payloads = st.lists(
-    st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=30),
-    min_size=1, max_size=8,
+    st.text(
+        alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)),
+        max_size=30,
+    ),
+    min_size=1,
+    max_size=8,
 )
 
 
@@ -91,6 +100,8 @@ def test_any_split_and_any_line_end_give_the_same_events(
 
 
 @given(st.binary(max_size=200), st.data())
-def test_garbage_never_raises_and_splitting_changes_nothing(blob: bytes, data: st.DataObject) -> None:
+def test_garbage_never_raises_and_splitting_changes_nothing(
+    blob: bytes, data: st.DataObject
+) -> None:
     cut = data.draw(st.integers(0, len(blob)))
     assert parse_all([blob[:cut], blob[cut:]]) == parse_all([blob])

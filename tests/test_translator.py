@@ -15,24 +15,47 @@ from homelab_gateway.translator import IncompleteMessage, MessageBuilder, Phase,
 from tests.grammar import check_stream
 
 
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, *,
-          usage: dict[str, int] | None = None, stop_reason: Any = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+def chunk(
+    delta: dict[str, Any] | None = None,
+    finish: str | None = None,
+    *,
+    usage: dict[str, int] | None = None,
+    stop_reason: Any = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta or {},
+        "logprobs": None,
+        "finish_reason": finish,
+    }
     if finish is not None:
         choice["stop_reason"] = stop_reason
-    out: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-                           "model": "Qwen/QwQ-32B", "choices": [choice]}
+    out: dict[str, Any] = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "Qwen/QwQ-32B",
+        "choices": [choice],
+    }
     if usage:
         out["usage"] = usage
     return out
 
 
 ROLE = chunk({"role": "assistant", "content": ""})
-USAGE = {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 52, "completion_tokens": 39, "total_tokens": 91}}
+USAGE = {
+    "id": "chatcmpl-1",
+    "choices": [],
+    "usage": {"prompt_tokens": 52, "completion_tokens": 39, "total_tokens": 91},
+}
 
 
-def run(chunks: list[Any], *, done: bool = True, stop: tuple[str, ...] = (), **kw: Any) -> list[dict[str, Any]]:
-    t = StreamTranslator(model="reasoning", input_tokens=kw.pop("input_tokens", 7), stop_sequences=stop)
+def run(
+    chunks: list[Any], *, done: bool = True, stop: tuple[str, ...] = (), **kw: Any
+) -> list[dict[str, Any]]:
+    t = StreamTranslator(
+        model="reasoning", input_tokens=kw.pop("input_tokens", 7), stop_sequences=stop
+    )
     events: list[dict[str, Any]] = []
     for c in chunks:
         events += t.feed(c)
@@ -46,19 +69,30 @@ def kinds(events: list[dict[str, Any]]) -> list[str]:
 
 
 def blocks(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    return [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+    return [
+        (e["index"], e["content_block"]["type"])
+        for e in events
+        if e["type"] == "content_block_start"
+    ]
 
 
 def text_of(events: list[dict[str, Any]], index: int) -> str:
     return "".join(
         next(v for k, v in e["delta"].items() if k != "type")
-        for e in events if e["type"] == "content_block_delta" and e["index"] == index
+        for e in events
+        if e["type"] == "content_block_delta" and e["index"] == index
     )
 
 
 THINK_THEN_TEXT = [
-    ROLE, chunk({"reasoning": "The user "}), chunk({"reasoning": "wants"}), chunk({"content": ""}),
-    chunk({"content": "Hello"}), chunk({"content": " there"}), chunk({"content": ""}, "stop"), USAGE,
+    ROLE,
+    chunk({"reasoning": "The user "}),
+    chunk({"reasoning": "wants"}),
+    chunk({"content": ""}),
+    chunk({"content": "Hello"}),
+    chunk({"content": " there"}),
+    chunk({"content": ""}, "stop"),
+    USAGE,
 ]
 
 
@@ -66,9 +100,17 @@ def test_full_sequence_with_thinking_then_text() -> None:
     events = run(THINK_THEN_TEXT)
     assert check_stream(events) == "complete"
     assert kinds(events) == [
-        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
-        "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
-        "content_block_stop", "message_delta", "message_stop",
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
     ]
     assert blocks(events) == [(0, "thinking"), (1, "text")]
     assert events[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
@@ -80,12 +122,16 @@ def test_full_sequence_with_thinking_then_text() -> None:
 def test_message_start_envelope_echoes_the_client_model() -> None:
     start = run([ROLE], done=False)[0]["message"]
     assert start["model"] == "reasoning" and start["id"].startswith("msg_")
-    assert start["content"] == [] and start["stop_reason"] is None and start["stop_sequence"] is None
+    assert (
+        start["content"] == [] and start["stop_reason"] is None and start["stop_sequence"] is None
+    )
     assert start["usage"] == {"input_tokens": 7, "output_tokens": 0}
 
 
 def test_continuous_usage_makes_message_start_input_tokens_exact() -> None:
-    first = chunk({"role": "assistant", "content": ""}, usage={"prompt_tokens": 472, "completion_tokens": 0})
+    first = chunk(
+        {"role": "assistant", "content": ""}, usage={"prompt_tokens": 472, "completion_tokens": 0}
+    )
     assert run([first], done=False)[0]["message"]["usage"]["input_tokens"] == 472
 
 
@@ -101,8 +147,14 @@ def test_either_reasoning_field_opens_the_thinking_block(field: str) -> None:
 
 
 def test_transitional_vllm_sending_both_reasoning_fields_is_not_doubled() -> None:
-    events = run([ROLE, chunk({"reasoning": "a", "reasoning_content": "a"}),
-                  chunk({"content": "b", "reasoning_content": None}), chunk({}, "stop")])
+    events = run(
+        [
+            ROLE,
+            chunk({"reasoning": "a", "reasoning_content": "a"}),
+            chunk({"content": "b", "reasoning_content": None}),
+            chunk({}, "stop"),
+        ]
+    )
     assert text_of(events, 0) == "a" and text_of(events, 1) == "b"
 
 
@@ -113,8 +165,15 @@ def test_no_reasoning_puts_text_at_index_0() -> None:
 
 def test_empty_and_null_deltas_open_no_block() -> None:
     # vLLM's first chunk is content "" and llama.cpp's is content null: neither is content.
-    events = run([ROLE, chunk({"role": "assistant", "content": None}), chunk({"content": ""}),
-                  chunk({"reasoning": None, "tool_calls": None}), chunk({"content": ""}, "stop")])
+    events = run(
+        [
+            ROLE,
+            chunk({"role": "assistant", "content": None}),
+            chunk({"content": ""}),
+            chunk({"reasoning": None, "tool_calls": None}),
+            chunk({"content": ""}, "stop"),
+        ]
+    )
     assert blocks(events) == []
     assert check_stream(events) == "complete"
 
@@ -127,21 +186,44 @@ def test_first_text_token_is_not_dropped() -> None:
 
 def test_reasoning_only_closes_the_thinking_block_before_message_delta() -> None:
     events = run([ROLE, chunk({"reasoning": "long thought"}), chunk({"reasoning": ""}, "length")])
-    assert kinds(events)[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert kinds(events)[-4:] == [
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert events[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
 def test_interleaved_thinking_opens_a_new_block_never_appends_to_text() -> None:
-    events = run([ROLE, chunk({"reasoning": "a"}), chunk({"content": "b"}), chunk({"reasoning": "c"}),
-                  chunk({"content": "d"}), chunk({}, "stop")])
+    events = run(
+        [
+            ROLE,
+            chunk({"reasoning": "a"}),
+            chunk({"content": "b"}),
+            chunk({"reasoning": "c"}),
+            chunk({"content": "d"}),
+            chunk({}, "stop"),
+        ]
+    )
     assert blocks(events) == [(0, "thinking"), (1, "text"), (2, "thinking"), (3, "text")]
     assert [text_of(events, i) for i in range(4)] == ["a", "b", "c", "d"]
     assert check_stream(events) == "complete"
 
 
 def tool_head(index: int, name: str) -> dict[str, Any]:
-    return chunk({"tool_calls": [{"id": f"chatcmpl-tool-{index}", "type": "function", "index": index,
-                                  "function": {"name": name}}]})
+    return chunk(
+        {
+            "tool_calls": [
+                {
+                    "id": f"chatcmpl-tool-{index}",
+                    "type": "function",
+                    "index": index,
+                    "function": {"name": name},
+                }
+            ]
+        }
+    )
 
 
 def tool_args(index: int, fragment: str) -> dict[str, Any]:
@@ -149,21 +231,46 @@ def tool_args(index: int, fragment: str) -> dict[str, Any]:
 
 
 def test_tool_call_becomes_a_tool_use_block_with_fragments_as_they_arrive() -> None:
-    events = run([ROLE, chunk({"content": "Let me check"}), tool_head(0, "get_weather"),
-                  tool_args(0, '{"city": "'), tool_args(0, 'Paris"}'), chunk({"content": ""}, "tool_calls"), USAGE])
+    events = run(
+        [
+            ROLE,
+            chunk({"content": "Let me check"}),
+            tool_head(0, "get_weather"),
+            tool_args(0, '{"city": "'),
+            tool_args(0, 'Paris"}'),
+            chunk({"content": ""}, "tool_calls"),
+            USAGE,
+        ]
+    )
     assert check_stream(events) == "complete"
     assert blocks(events) == [(0, "text"), (1, "tool_use")]
     start = next(e for e in events if e["type"] == "content_block_start" and e["index"] == 1)
-    assert start["content_block"]["name"] == "get_weather" and start["content_block"]["id"].startswith("toolu_")
-    fragments = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["index"] == 1]
+    assert start["content_block"]["name"] == "get_weather" and start["content_block"][
+        "id"
+    ].startswith("toolu_")
+    fragments = [
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["index"] == 1
+    ]
     assert fragments == ['{"city": "', 'Paris"}']
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
 def test_first_tool_argument_fragment_in_the_head_chunk_is_not_dropped() -> None:
     # LiteLLM #25321
-    head = chunk({"tool_calls": [{"id": "t", "type": "function", "index": 0,
-                                  "function": {"name": "f", "arguments": '{"a":'}}]})
+    head = chunk(
+        {
+            "tool_calls": [
+                {
+                    "id": "t",
+                    "type": "function",
+                    "index": 0,
+                    "function": {"name": "f", "arguments": '{"a":'},
+                }
+            ]
+        }
+    )
     events = run([ROLE, head, tool_args(0, "1}"), chunk({}, "tool_calls")])
     assert text_of(events, 0) == '{"a":1}'
 
@@ -175,41 +282,67 @@ def test_tools_called_with_finish_reason_stop_still_report_tool_use() -> None:
 
 
 def test_parallel_tool_calls_get_their_own_blocks_in_order() -> None:
-    events = run([ROLE, chunk({"reasoning": "two calls"}), tool_head(0, "a"), tool_args(0, "{}"),
-                  tool_head(1, "b"), tool_args(1, '{"x":1}'), chunk({}, "tool_calls")])
+    events = run(
+        [
+            ROLE,
+            chunk({"reasoning": "two calls"}),
+            tool_head(0, "a"),
+            tool_args(0, "{}"),
+            tool_head(1, "b"),
+            tool_args(1, '{"x":1}'),
+            chunk({}, "tool_calls"),
+        ]
+    )
     assert blocks(events) == [(0, "thinking"), (1, "tool_use"), (2, "tool_use")]
     assert text_of(events, 2) == '{"x":1}'
     assert check_stream(events) == "complete"
 
 
 def test_tool_name_arriving_after_arguments_holds_the_fragments_until_it_can_open() -> None:
-    events = run([ROLE, chunk({"tool_calls": [{"index": 0, "id": "t", "function": {"arguments": '{"a"'}}]}),
-                  chunk({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ":1}"}}]}),
-                  chunk({}, "tool_calls")])
+    events = run(
+        [
+            ROLE,
+            chunk({"tool_calls": [{"index": 0, "id": "t", "function": {"arguments": '{"a"'}}]}),
+            chunk({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ":1}"}}]}),
+            chunk({}, "tool_calls"),
+        ]
+    )
     assert blocks(events) == [(0, "tool_use")] and text_of(events, 0) == '{"a":1}'
 
 
 def test_arguments_for_a_closed_tool_block_fail_the_stream_rather_than_misplace_them() -> None:
-    events = run([ROLE, tool_head(0, "a"), tool_head(1, "b"), tool_args(0, "{}"), chunk({}, "tool_calls")])
+    events = run(
+        [ROLE, tool_head(0, "a"), tool_head(1, "b"), tool_args(0, "{}"), chunk({}, "tool_calls")]
+    )
     assert check_stream(events) == "error"
 
 
-@pytest.mark.parametrize(("finish", "reason"), [
-    ("stop", "end_turn"), ("length", "max_tokens"), ("tool_calls", "tool_use"),
-    ("content_filter", "refusal"), ("something_new", "end_turn"),
-])
+@pytest.mark.parametrize(
+    ("finish", "reason"),
+    [
+        ("stop", "end_turn"),
+        ("length", "max_tokens"),
+        ("tool_calls", "tool_use"),
+        ("content_filter", "refusal"),
+        ("something_new", "end_turn"),
+    ],
+)
 def test_finish_reasons_map_to_stop_reasons(finish: str, reason: str) -> None:
     events = run([ROLE, chunk({"content": "x"}), chunk({}, finish)])
     assert events[-2]["delta"]["stop_reason"] == reason
 
 
 def test_a_matched_stop_sequence_is_reported() -> None:
-    events = run([ROLE, chunk({"content": "x"}), chunk({}, "stop", stop_reason="END")], stop=("END",))
+    events = run(
+        [ROLE, chunk({"content": "x"}), chunk({}, "stop", stop_reason="END")], stop=("END",)
+    )
     assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
 
 
 def test_a_stop_token_id_is_not_a_stop_sequence() -> None:
-    events = run([ROLE, chunk({"content": "x"}), chunk({}, "stop", stop_reason=151645)], stop=("END",))
+    events = run(
+        [ROLE, chunk({"content": "x"}), chunk({}, "stop", stop_reason=151645)], stop=("END",)
+    )
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
 
 
@@ -222,10 +355,22 @@ def test_abort_is_a_failure_not_a_success() -> None:
 
 def test_error_chunk_mid_stream_ends_with_an_error_frame() -> None:
     # LiteLLM #39703 reported this as end_turn with empty content.
-    error = {"error": {"message": "engine died", "type": "InternalServerError", "param": None, "code": 500}}
-    events = run([ROLE, chunk({"content": "a"}), error, chunk({"content": "late"}), chunk({}, "stop")])
+    error = {
+        "error": {
+            "message": "engine died",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
+    events = run(
+        [ROLE, chunk({"content": "a"}), error, chunk({"content": "late"}), chunk({}, "stop")]
+    )
     assert check_stream(events) == "error"
-    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "upstream error: engine died"}}
+    assert events[-1] == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "upstream error: engine died"},
+    }
 
 
 def test_end_without_finish_reason_is_a_failure() -> None:
@@ -242,7 +387,11 @@ def test_nothing_is_emitted_after_the_end() -> None:
     for c in THINK_THEN_TEXT:
         t.feed(c)
     assert kinds(t.end())[-1] == "message_stop" and t.phase is Phase.DONE
-    assert t.feed(chunk({"content": "more"})) == [] and t.end() == [] and t.fail("api_error", "x") == []
+    assert (
+        t.feed(chunk({"content": "more"})) == []
+        and t.end() == []
+        and t.fail("api_error", "x") == []
+    )
 
 
 def test_non_object_chunk_fails() -> None:
@@ -251,19 +400,42 @@ def test_non_object_chunk_fails() -> None:
 
 
 def test_output_tokens_are_counted_when_the_upstream_reports_no_usage() -> None:
-    events = run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), chunk({"reasoning": "c"}), chunk({}, "stop")])
+    events = run(
+        [
+            ROLE,
+            chunk({"content": "a"}),
+            chunk({"content": "b"}),
+            chunk({"reasoning": "c"}),
+            chunk({}, "stop"),
+        ]
+    )
     assert events[-2]["usage"]["output_tokens"] == 3
 
 
 def test_message_builder_folds_events_into_the_non_streaming_message() -> None:
     builder = MessageBuilder()
-    builder.add(run([ROLE, chunk({"reasoning": "hm"}), chunk({"content": "Hi"}), tool_head(0, "f"),
-                     tool_args(0, '{"a": [1'), tool_args(0, "]}"), chunk({}, "tool_calls"), USAGE]))
+    builder.add(
+        run(
+            [
+                ROLE,
+                chunk({"reasoning": "hm"}),
+                chunk({"content": "Hi"}),
+                tool_head(0, "f"),
+                tool_args(0, '{"a": [1'),
+                tool_args(0, "]}"),
+                chunk({}, "tool_calls"),
+                USAGE,
+            ]
+        )
+    )
     message = builder.message()
     assert message["content"][0] == {"type": "thinking", "thinking": "hm", "signature": ""}
     assert message["content"][1] == {"type": "text", "text": "Hi"}
     assert message["content"][2]["input"] == {"a": [1]} and message["content"][2]["name"] == "f"
-    assert message["stop_reason"] == "tool_use" and message["usage"] == {"input_tokens": 52, "output_tokens": 39}
+    assert message["stop_reason"] == "tool_use" and message["usage"] == {
+        "input_tokens": 52,
+        "output_tokens": 39,
+    }
 
 
 def test_message_builder_refuses_a_failed_or_unfinished_stream() -> None:
@@ -292,14 +464,24 @@ deltas = st.one_of(
     st.builds(lambda t: {"reasoning_content": t}, texts),
     st.builds(lambda t: {"content": t}, texts),
     st.builds(lambda t, r: {"content": t, "reasoning": r}, texts, texts),
-    st.builds(lambda i, name, args: {"tool_calls": [{"index": i, "id": f"id{i}", "function": {"name": name, "arguments": args}}]},
-              st.integers(0, 2), st.sampled_from(["f", "", None]), texts),
+    st.builds(
+        lambda i, name, args: {
+            "tool_calls": [
+                {"index": i, "id": f"id{i}", "function": {"name": name, "arguments": args}}
+            ]
+        },
+        st.integers(0, 2),
+        st.sampled_from(["f", "", None]),
+        texts,
+    ),
     st.just({"role": "assistant", "content": ""}),
     st.just({}),
 )
 chunks = st.one_of(
     st.builds(chunk, deltas),
-    st.builds(chunk, deltas, st.sampled_from(["stop", "length", "tool_calls", "abort", "content_filter"])),
+    st.builds(
+        chunk, deltas, st.sampled_from(["stop", "length", "tool_calls", "abort", "content_filter"])
+    ),
     st.just(USAGE),
     st.just({"error": {"message": "boom", "code": 500}}),
 )
@@ -307,7 +489,9 @@ chunks = st.one_of(
 
 @settings(max_examples=400)
 @given(st.lists(chunks, max_size=25), st.sampled_from(["done", "fail", "none"]))
-def test_any_chunk_sequence_yields_a_grammatical_stream(sequence: list[dict[str, Any]], ending: str) -> None:
+def test_any_chunk_sequence_yields_a_grammatical_stream(
+    sequence: list[dict[str, Any]], ending: str
+) -> None:
     t = StreamTranslator(model="m", input_tokens=3)
     events: list[dict[str, Any]] = []
     for c in sequence:

@@ -150,7 +150,9 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
-def load_config(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> Config:
     """Read and validate the file at `path`; raise ConfigError naming the first problem."""
     source = str(path)
     try:

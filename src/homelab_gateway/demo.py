@@ -8,7 +8,6 @@ count is this run's); `qwen2.5:3b-instruct` stands for a small, fast Ollama mode
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-
 from typing import Any
 
 from twisted.web.server import Site
@@ -24,14 +23,22 @@ def demo_setup(reactor: Any) -> tuple[Callable[[Mapping[str, str]], Config], dic
     reasoning_log = StubLog(open(REASONING_LOG, "w", buffering=1))  # noqa: SIM115 - process lifetime
     sites = {
         "vllm": stub_site(
-            StubSettings(hold=3.0, delay=0.08, reasoning_tokens=12, content_tokens=24,
-                         models=("Qwen/QwQ-32B",)),
-            reactor, reasoning_log,
+            StubSettings(
+                hold=3.0,
+                delay=0.08,
+                reasoning_tokens=12,
+                content_tokens=24,
+                models=("Qwen/QwQ-32B",),
+            ),
+            reactor,
+            reasoning_log,
         ),
         "ollama": stub_site(
-            StubSettings(delay=0.01, reasoning_tokens=0, content_tokens=24,
-                         models=("qwen2.5:3b-instruct",)),
-            reactor, StubLog(None),
+            StubSettings(
+                delay=0.01, reasoning_tokens=0, content_tokens=24, models=("qwen2.5:3b-instruct",)
+            ),
+            reactor,
+            StubLog(None),
         ),
     }
 
@@ -42,8 +49,13 @@ def demo_setup(reactor: Any) -> tuple[Callable[[Mapping[str, str]], Config], dic
                 "ollama": {"url": urls["ollama"], "slots": 4},
             },
             "models": {
-                "reasoning": {"upstream": "vllm", "upstream_model": "Qwen/QwQ-32B",
-                              "max_tokens": 32768, "map_thinking": True, "map_effort": True},
+                "reasoning": {
+                    "upstream": "vllm",
+                    "upstream_model": "Qwen/QwQ-32B",
+                    "max_tokens": 32768,
+                    "map_thinking": True,
+                    "map_effort": True,
+                },
                 "qwen2.5:3b-instruct": {"upstream": "ollama"},
             },
             "routes": [{"prefix": "/openai/", "upstream": "vllm"}],

@@ -28,7 +28,11 @@ ERROR_TYPES = {
 
 class GatewayError(Exception):
     def __init__(
-        self, status: int, message: str, *, error_type: str | None = None,
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str | None = None,
         retry_after: int | None = None,
     ) -> None:
         super().__init__(message)

@@ -28,7 +28,11 @@ class PositionedSemaphore(DeferredSemaphore):
     slot to the head waiter synchronously."""
 
     def __init__(
-        self, tokens: int, clock: IReactorTime, *, queue_limit: int | None = None,
+        self,
+        tokens: int,
+        clock: IReactorTime,
+        *,
+        queue_limit: int | None = None,
         report_interval: float = 0.5,
     ) -> None:
         super().__init__(tokens)
@@ -51,7 +55,11 @@ class PositionedSemaphore(DeferredSemaphore):
 
         Raises QueueFull, without queueing, when no slot is free and the line is full.
         """
-        if not self.tokens and self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
+        if (
+            not self.tokens
+            and self.queue_limit is not None
+            and len(self.waiting) >= self.queue_limit
+        ):
             raise QueueFull()
         d = self.acquire()
         if d.called or on_position is None:

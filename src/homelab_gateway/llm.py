@@ -17,7 +17,6 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredSemaphore, ensureDeferred
 from twisted.internet.defer import TimeoutError as DeferredTimeout
-
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.iweb import IRequest
 
@@ -168,8 +167,13 @@ class Messages:
     """POST /llm/v1/messages, streaming and not."""
 
     def __init__(
-        self, *, models: Mapping[str, ModelConfig], pools: Mapping[str, Pool],
-        clock: IReactorTime, ping_interval: float, max_body_bytes: int,
+        self,
+        *,
+        models: Mapping[str, ModelConfig],
+        pools: Mapping[str, Pool],
+        clock: IReactorTime,
+        ping_interval: float,
+        max_body_bytes: int,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -203,7 +207,9 @@ class Messages:
                 raise GatewayError(404, f"model: {name!r} is not served here (models: {known})")
             pool = self.pools[model.upstream]
             mapped = map_request(
-                body, model, continuous_usage_stats=pool.continuous_usage_stats,
+                body,
+                model,
+                continuous_usage_stats=pool.continuous_usage_stats,
                 count_only=count_only,
             )
         except InvalidRequest as e:
@@ -255,11 +261,17 @@ class Messages:
         try:
             return builder.message()
         except IncompleteMessage as e:
-            raise GatewayError(529 if e.error_type == "overloaded_error" else 502, e.message) from None
+            raise GatewayError(
+                529 if e.error_type == "overloaded_error" else 502, e.message
+            ) from None
 
     async def _relay(
-        self, request: IRequest | None, pool: Pool, mapped: MappedRequest,
-        emit: Callable[[list[Event]], None], stream: EventStream | None,
+        self,
+        request: IRequest | None,
+        pool: Pool,
+        mapped: MappedRequest,
+        emit: Callable[[list[Event]], None],
+        stream: EventStream | None,
     ) -> None:
         """Send the upstream request and pour its translated stream into `emit`.
 
@@ -277,7 +289,8 @@ class Messages:
                 response.code, error_body, retry_after.decode() if retry_after else None
             )
         translator = StreamTranslator(
-            model=mapped.model, input_tokens=mapped.estimated_input_tokens,
+            model=mapped.model,
+            input_tokens=mapped.estimated_input_tokens,
             stop_sequences=mapped.stop_sequences,
         )
         parser = SSEParser()
@@ -319,4 +332,8 @@ class Messages:
         finally:
             if backpressure is not None:
                 backpressure.release()
-        deliver(translator.fail("api_error", f"upstream {upstream.name} closed the stream before [DONE]"))
+        deliver(
+            translator.fail(
+                "api_error", f"upstream {upstream.name} closed the stream before [DONE]"
+            )
+        )

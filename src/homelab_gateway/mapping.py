@@ -166,7 +166,9 @@ def _assistant(blocks: list[Any], where: str, out: list[dict[str, Any]]) -> set[
             name = _string(block, "name", f"{where}.{j}", nonempty=True)
             arguments = block.get("input", {})
             if not isinstance(arguments, Mapping):
-                raise InvalidRequest(f"{where}.{j}.input: must be an object, got {_kind(arguments)}")
+                raise InvalidRequest(
+                    f"{where}.{j}.input: must be an object, got {_kind(arguments)}"
+                )
             calls.append(
                 {
                     "id": call_id,
@@ -187,9 +189,7 @@ def _assistant(blocks: list[Any], where: str, out: list[dict[str, Any]]) -> set[
     return {call["id"] for call in calls}
 
 
-def _user(
-    blocks: list[Any], where: str, tool_ids: set[str], out: list[dict[str, Any]]
-) -> None:
+def _user(blocks: list[Any], where: str, tool_ids: set[str], out: list[dict[str, Any]]) -> None:
     parts: list[dict[str, Any]] = []
     tool_images: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
@@ -335,7 +335,9 @@ def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> None:
         )
     budget = thinking.get("budget_tokens")
     if budget is not None and (not _is_int(budget) or budget < 0):
-        raise InvalidRequest(f"thinking.budget_tokens: must be an integer >= 0, got {_kind(budget)}")
+        raise InvalidRequest(
+            f"thinking.budget_tokens: must be an integer >= 0, got {_kind(budget)}"
+        )
     if model.map_thinking:
         out["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
 

@@ -22,23 +22,36 @@ from homelab_gateway.upstream import Backpressure, Upstream, UpstreamBroken
 
 HOP_BY_HOP = frozenset(
     {
-        b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-        b"proxy-authorization", b"proxy-authenticate", b"proxy-connection",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+        b"proxy-connection",
     }
 )
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 
 
 def forward_headers(
-    headers: Iterable[tuple[bytes, list[bytes]]], *, client_ip: str, proto: str, host: bytes | None,
+    headers: Iterable[tuple[bytes, list[bytes]]],
+    *,
+    client_ip: str,
+    proto: str,
+    host: bytes | None,
     keep_authorization: bool,
 ) -> dict[bytes, list[bytes]]:
     """The request headers to send upstream: end-to-end ones, plus X-Forwarded-*."""
     headers = [(name.lower(), values) for name, values in headers]
     named_by_connection = {
         token.strip().lower()
-        for name, values in headers if name == b"connection"
-        for value in values for token in value.split(b",")
+        for name, values in headers
+        if name == b"connection"
+        for value in values
+        for token in value.split(b",")
     }
     out: dict[bytes, list[bytes]] = {}
     for name, values in headers:
@@ -55,16 +68,21 @@ def forward_headers(
     return out
 
 
-def response_headers(headers: Iterable[tuple[bytes, list[bytes]]]) -> list[tuple[bytes, list[bytes]]]:
+def response_headers(
+    headers: Iterable[tuple[bytes, list[bytes]]],
+) -> list[tuple[bytes, list[bytes]]]:
     """The upstream's response headers minus the hop-by-hop ones (and those Connection names)."""
     headers = list(headers)
     named = {
         token.strip().lower()
-        for name, values in headers if name.lower() == b"connection"
-        for value in values for token in value.split(b",")
+        for name, values in headers
+        if name.lower() == b"connection"
+        for value in values
+        for token in value.split(b",")
     }
     return [
-        (name, values) for name, values in headers
+        (name, values)
+        for name, values in headers
         if name.lower() not in HOP_BY_HOP and name.lower() not in named
     ]
 
@@ -91,7 +109,7 @@ class ReverseProxy:
     def match(self, path: bytes) -> tuple[ProxyRoute, bytes] | None:
         for route in self.routes:
             if path.startswith(route.prefix):
-                return route, path[len(route.prefix):]
+                return route, path[len(route.prefix) :]
         return None
 
     def redirect_target(self, path: bytes) -> bytes | None:
@@ -103,7 +121,9 @@ class ReverseProxy:
 
     async def forward(self, request: IRequest, route: ProxyRoute, remainder: bytes) -> bytes | None:
         if escapes_prefix(remainder):
-            return send_json(request, 400, GatewayError(400, "path escapes the route prefix").openai_body())
+            return send_json(
+                request, 400, GatewayError(400, "path escapes the route prefix").openai_body()
+            )
         query = request.uri.partition(b"?")[2]
         url = route.upstream.url.encode() + b"/" + remainder + (b"?" + query if query else b"")
         peer: Any = request.getClientAddress()
@@ -128,11 +148,17 @@ class ReverseProxy:
                 slot.release()
 
     async def _relay(
-        self, request: IRequest, upstream: Upstream, url: bytes,
-        headers: dict[bytes, list[bytes]], body: bytes,
+        self,
+        request: IRequest,
+        upstream: Upstream,
+        url: bytes,
+        headers: dict[bytes, list[bytes]],
+        body: bytes,
     ) -> bytes | None:
         try:
-            response = await upstream.open(request.method.decode(), url.decode(), headers, body or None)
+            response = await upstream.open(
+                request.method.decode(), url.decode(), headers, body or None
+            )
         except GatewayError as e:
             return send_json(request, e.status, e.openai_body())
         request.setResponseCode(response.code, response.phrase)

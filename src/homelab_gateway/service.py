@@ -41,10 +41,17 @@ class Gateway:
         for name, upstream in config.upstreams.items():
             self.pools[name] = Pool(
                 upstream=self._client(
-                    reactor, name, upstream.url, upstream.connect_timeout,
-                    upstream.idle_timeout, upstream.api_key, transparent=False,
+                    reactor,
+                    name,
+                    upstream.url,
+                    upstream.connect_timeout,
+                    upstream.idle_timeout,
+                    upstream.api_key,
+                    transparent=False,
                 ),
-                slots=PositionedSemaphore(upstream.slots, reactor, queue_limit=upstream.queue_limit),
+                slots=PositionedSemaphore(
+                    upstream.slots, reactor, queue_limit=upstream.queue_limit
+                ),
                 queue_timeout=upstream.queue_timeout,
                 continuous_usage_stats=upstream.continuous_usage_stats,
             )
@@ -56,27 +63,46 @@ class Gateway:
             name = route.upstream or route.prefix
             api_key = config.upstreams[route.upstream].api_key if route.upstream else None
             client = self._client(
-                reactor, name, url, route.connect_timeout, route.idle_timeout, api_key,
+                reactor,
+                name,
+                url,
+                route.connect_timeout,
+                route.idle_timeout,
+                api_key,
                 transparent=True,
             )
             routes.append(ProxyRoute(prefix=route.prefix.encode(), upstream=client, pool=pool))
         self.app = GatewayApp(
-            models=config.models, pools=self.pools, proxy=ReverseProxy(routes, reactor),
-            clock=reactor, ping_interval=config.server.ping_interval,
+            models=config.models,
+            pools=self.pools,
+            proxy=ReverseProxy(routes, reactor),
+            clock=reactor,
+            ping_interval=config.server.ping_interval,
             max_body_bytes=config.server.max_body_bytes,
         )
         self.site = Site(self.app.app.resource())
         self.site.displayTracebacks = False
 
     def _client(
-        self, reactor: Any, name: str, url: str, connect_timeout: float, idle_timeout: float,
-        api_key: str | None, *, transparent: bool,
+        self,
+        reactor: Any,
+        name: str,
+        url: str,
+        connect_timeout: float,
+        idle_timeout: float,
+        api_key: str | None,
+        *,
+        transparent: bool,
     ) -> Upstream:
         agent = Agent(reactor, connectTimeout=connect_timeout, pool=self.http_pool)
         return Upstream(
-            name=name, url=url, http=RawHTTP(agent) if transparent else llm_http(agent),
+            name=name,
+            url=url,
+            http=RawHTTP(agent) if transparent else llm_http(agent),
             clock=reactor,
-            connect_timeout=connect_timeout, idle_timeout=idle_timeout, api_key=api_key,
+            connect_timeout=connect_timeout,
+            idle_timeout=idle_timeout,
+            api_key=api_key,
         )
 
     def close(self) -> Deferred[Any]:
@@ -120,7 +146,9 @@ class GatewayService(Service):
         try:
             self.port = listen_now(serverFromString(self.reactor, self.listen), self.gateway.site)
         except CannotListenError as e:
-            raise SystemExit(f"homelab-gateway: cannot listen on {self.listen!r}: {e.socketError or e}") from None
+            raise SystemExit(
+                f"homelab-gateway: cannot listen on {self.listen!r}: {e.socketError or e}"
+            ) from None
         log.info("homelab-gateway listening on {address}", address=describe(self.port))
 
     def stopService(self) -> Deferred[Any]:

@@ -28,8 +28,8 @@ from twisted.python import usage
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-REASONING_WORDS = "The user wants a short friendly answer so I will greet them and keep it brief".split()
-CONTENT_WORDS = "Hello! I am a stub model answering from the homelab gateway test upstream.".split()
+REASONING_TEXT = "The user wants a short friendly answer so I will greet them and keep it brief"
+CONTENT_TEXT = "Hello! I am a stub model answering from the homelab gateway test upstream."
 TOOL_ARGUMENTS = ['{"city', '": "', "Par", 'is", "unit', '": "c', 'elsius"}']
 
 SCENARIOS = {
@@ -82,7 +82,9 @@ class StubLog:
             return
         extra = "".join(f" {k}={v}" for k, v in fields.items())
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        self._stream.write(f"{stamp}.{int(time.time() * 1000) % 1000:03d} {event} id={request_id}{extra}\n")
+        self._stream.write(
+            f"{stamp}.{int(time.time() * 1000) % 1000:03d} {event} id={request_id}{extra}\n"
+        )
         self._stream.flush()
 
 
@@ -107,7 +109,9 @@ def _scenario(messages: Any) -> str:
     return "default"
 
 
-def _words(words: list[str], n: int) -> Iterator[str]:
+def _words(text: str, n: int) -> Iterator[str]:
+    """`n` tokens cycling through the words of `text`, each with its trailing space."""
+    words = text.split()
     for i in range(n):
         yield words[i % len(words)] + " "
 
@@ -124,7 +128,9 @@ class _Generation:
         self.id = request_id
         self.model = body.get("model", "stub")
         self.scenario = _scenario(body.get("messages") or [])
-        self.prompt_tokens = len(_prompt_words(body.get("messages"))) + 4 * len(body.get("messages") or [])
+        self.prompt_tokens = len(_prompt_words(body.get("messages"))) + 4 * len(
+            body.get("messages") or []
+        )
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._call: IDelayedCall | None = None
@@ -157,16 +163,20 @@ class _Generation:
         yield self._chunk({"role": "assistant", "content": ""})
         reasoning = min(reasoning_n, max_tokens)
         content = min(content_n, max_tokens - reasoning)
-        for word in _words(REASONING_WORDS, reasoning):
+        for word in _words(REASONING_TEXT, reasoning):
             yield self._token(self._reasoning(word))
         if reasoning and content:
             yield self._chunk({"content": ""})
-        for word in _words(CONTENT_WORDS, content):
+        for word in _words(CONTENT_TEXT, content):
             yield self._token({"content": word, **self._null_reasoning()})
 
         if scenario == "fail":
-            error = {"message": "stub: the engine died", "type": "InternalServerError",
-                     "param": None, "code": 500}
+            error = {
+                "message": "stub: the engine died",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
             yield _frame({"error": error})
             yield _frame("[DONE]")
             return
@@ -198,11 +208,17 @@ class _Generation:
         names = [t["function"]["name"] for t in tools if isinstance(t, dict) and "function" in t]
         for index in range(count):
             name = names[index % len(names)] if names else "get_weather"
-            head = {"id": f"chatcmpl-tool-{secrets.token_hex(8)}", "type": "function",
-                    "index": index, "function": {"name": name}}
+            head = {
+                "id": f"chatcmpl-tool-{secrets.token_hex(8)}",
+                "type": "function",
+                "index": index,
+                "function": {"name": name},
+            }
             yield self._token({"tool_calls": [head]})
             for fragment in TOOL_ARGUMENTS:
-                yield self._token({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+                yield self._token(
+                    {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+                )
 
     def _reasoning(self, word: str) -> dict[str, Any]:
         field_name = self.stub.settings.reasoning_field
@@ -217,20 +233,32 @@ class _Generation:
         return self._chunk(delta, count=True)
 
     def _chunk(
-        self, delta: dict[str, Any], *, finish: str | None = None, stop_reason: Any = None,
+        self,
+        delta: dict[str, Any],
+        *,
+        finish: str | None = None,
+        stop_reason: Any = None,
         count: bool = False,
     ) -> bytes:
         if count:
             self.completion_tokens += 1
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         if finish is not None:
             choice["stop_reason"] = stop_reason
         return _frame(self._envelope([choice], usage=self.continuous))
 
     def _envelope(self, choices: list[Any], *, usage: bool) -> dict[str, Any]:
         envelope: dict[str, Any] = {
-            "id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": self.model, "choices": choices,
+            "id": f"chatcmpl-{self.id}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
         }
         if usage:
             envelope["usage"] = {
@@ -322,20 +350,33 @@ class _Generation:
                 reasoning.append(delta.get("reasoning") or delta.get("reasoning_content") or "")
                 for call in delta.get("tool_calls", []):
                     if "id" in call:
-                        message["tool_calls"].append({**call, "function": {**call["function"], "arguments": ""}})
+                        message["tool_calls"].append(
+                            {**call, "function": {**call["function"], "arguments": ""}}
+                        )
                     else:
-                        message["tool_calls"][call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+                        message["tool_calls"][call["index"]]["function"]["arguments"] += call[
+                            "function"
+                        ]["arguments"]
                 finish = choice.get("finish_reason") or finish
         if "".join(reasoning):
-            message[self.stub.settings.reasoning_field.replace("both", "reasoning")] = "".join(reasoning)
+            message[self.stub.settings.reasoning_field.replace("both", "reasoning")] = "".join(
+                reasoning
+            )
         for call in message["tool_calls"]:
             call.pop("index", None)
         completion = {
-            "id": f"chatcmpl-{self.id}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{self.id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": self.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                      "total_tokens": self.prompt_tokens + self.completion_tokens},
+            "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            ],
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+            },
         }
         return json.dumps(completion).encode()
 
@@ -354,8 +395,12 @@ def _frame(data: Any) -> bytes:
 
 def _error_body(status: int, message: str) -> bytes:
     kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
-    error = {"message": message, "type": kind.get(status, "InternalServerError"),
-             "param": None, "code": status}
+    error = {
+        "message": message,
+        "type": kind.get(status, "InternalServerError"),
+        "param": None,
+        "code": status,
+    }
     return json.dumps({"error": error}).encode()
 
 
@@ -377,7 +422,10 @@ class StubResource(Resource):
         request.setHeader(b"content-type", b"application/json")
         if path == b"/v1/models":
             names = self.settings.models or ("stub",)
-            data = [{"id": n, "object": "model", "created": 0, "owned_by": "homelab-stub"} for n in names]
+            data = [
+                {"id": n, "object": "model", "created": 0, "owned_by": "homelab-stub"}
+                for n in names
+            ]
             return json.dumps({"object": "list", "data": data}).encode()
         if path == b"/stub/status":
             return json.dumps(self.stats.__dict__).encode()
@@ -397,7 +445,9 @@ class StubResource(Resource):
         if path == b"/tokenize":
             words = _prompt_words(body.get("messages")) or str(body.get("prompt", "")).split()
             count = len(words) + 4 * len(body.get("messages") or [])
-            return json.dumps({"count": count, "max_model_len": 32768, "tokens": list(range(count))}).encode()
+            return json.dumps(
+                {"count": count, "max_model_len": 32768, "tokens": list(range(count))}
+            ).encode()
         if path != b"/v1/chat/completions":
             request.setResponseCode(404)
             return _error_body(404, f"no route for POST {path.decode()}")
@@ -411,12 +461,22 @@ class StubResource(Resource):
         stats = self.stats
         stats.requests += 1
         stats.models[str(model)] = stats.models.get(str(model), 0) + 1
-        self.log.write("start", request_id, model=model, stream=bool(body.get("stream")),
-                       scenario=generation.scenario)
-        refusal = {"error500": (500, "stub: internal error before the stream"),
-                   "error400": (400, "This model's maximum context length is 32768 tokens. "
-                                     "However, you requested 99999 tokens."),
-                   "overloaded": (503, "stub: the server is overloaded")}.get(generation.scenario)
+        self.log.write(
+            "start",
+            request_id,
+            model=model,
+            stream=bool(body.get("stream")),
+            scenario=generation.scenario,
+        )
+        refusal = {
+            "error500": (500, "stub: internal error before the stream"),
+            "error400": (
+                400,
+                "This model's maximum context length is 32768 tokens. "
+                "However, you requested 99999 tokens.",
+            ),
+            "overloaded": (503, "stub: the server is overloaded"),
+        }.get(generation.scenario)
         if refusal is not None:
             self.log.write("refused", request_id, status=refusal[0])
             request.setResponseCode(refusal[0])
@@ -479,8 +539,11 @@ class Options(usage.Options):
 
     def settings(self) -> StubSettings:
         return StubSettings(
-            hold=self["hold"], delay=self["delay"], reasoning_tokens=self["reasoning-tokens"],
-            content_tokens=self["content-tokens"], reasoning_field=self["reasoning-field"],
+            hold=self["hold"],
+            delay=self["delay"],
+            reasoning_tokens=self["reasoning-tokens"],
+            content_tokens=self["content-tokens"],
+            reasoning_field=self["reasoning-field"],
             models=tuple(self["models"]),
         )
 
@@ -490,7 +553,7 @@ class Options(usage.Options):
 
 
 def open_log(path: str | None) -> StubLog:
-    return StubLog(open(path, "a", buffering=1) if path else None)  # noqa: SIM115 - lives as long as the process
+    return StubLog(open(path, "a", buffering=1) if path else None)
 
 
 def makeService(options: Options) -> IService:
@@ -498,14 +561,22 @@ def makeService(options: Options) -> IService:
     from twisted.internet.endpoints import serverFromString
 
     site = stub_site(options.settings(), reactor, open_log(options["log"]))
-    return StreamServerEndpointService(serverFromString(reactor, options.endpoint_description()), site)
+    return StreamServerEndpointService(
+        serverFromString(reactor, options.endpoint_description()), site
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """`homelab-stub` / `python -m homelab_gateway.stub`: the stub in the foreground."""
     from twisted.scripts.twistd import run
 
-    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "homelab-stub", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = [
+        "twistd",
+        "--nodaemon",
+        "--pidfile=",
+        "homelab-stub",
+        *(sys.argv[1:] if argv is None else argv),
+    ]
     run()
 
 

@@ -33,6 +33,7 @@ class Options(usage.Options):
         if bool(self["config"]) == bool(self["demo"]):
             raise usage.UsageError("give exactly one of --config PATH or --demo")
         if self["listen"] is not None:
+
             def error(message: str) -> usage.UsageError:
                 return usage.UsageError(f"--listen: {message}")
 

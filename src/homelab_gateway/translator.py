@@ -343,7 +343,10 @@ class MessageBuilder:
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            self._error = ("api_error", f"upstream gave tool {name!r} arguments that are not a JSON object")
+            self._error = (
+                "api_error",
+                f"upstream gave tool {name!r} arguments that are not a JSON object",
+            )
             return {}
         return value
 
@@ -351,5 +354,7 @@ class MessageBuilder:
         if self._error is not None:
             raise IncompleteMessage(*self._error)
         if self._message is None or not self._stopped:
-            raise IncompleteMessage("api_error", "upstream stream ended before the message was complete")
+            raise IncompleteMessage(
+                "api_error", "upstream stream ended before the message was complete"
+            )
         return self._message

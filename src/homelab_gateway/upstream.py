@@ -10,12 +10,12 @@ pauses the upstream instead of growing a buffer in the gateway.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from io import BytesIO
 from typing import Any
 
 from treq.client import HTTPClient
-
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer, IReactorTime
@@ -47,8 +47,14 @@ class RawHTTP:
         self._agent = agent
 
     def request(
-        self, method: str, url: str, *, headers: dict[bytes, list[bytes]], data: bytes | None,
-        unbuffered: bool = True, allow_redirects: bool = False,
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: dict[bytes, list[bytes]],
+        data: bytes | None,
+        unbuffered: bool = True,
+        allow_redirects: bool = False,
     ) -> Deferred[IResponse]:
         """Send as given; `unbuffered` and `allow_redirects` are accepted for treq's call shape
         and are what a bare Agent does anyway."""
@@ -66,8 +72,15 @@ class Upstream:
     """One upstream server: its base URL, timeouts and HTTP client."""
 
     def __init__(
-        self, *, name: str, url: str, http: Any, clock: IReactorTime,
-        connect_timeout: float, idle_timeout: float, api_key: str | None = None,
+        self,
+        *,
+        name: str,
+        url: str,
+        http: Any,
+        clock: IReactorTime,
+        connect_timeout: float,
+        idle_timeout: float,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.url = url
@@ -104,8 +117,9 @@ class Upstream:
             # ours (the timer) becomes a 504, the caller's (the client left) a CancelledError.
             if timed_out:
                 raise GatewayError(
-                    504, f"upstream {self.name} sent no response headers within "
-                    f"{self.connect_timeout:g}s"
+                    504,
+                    f"upstream {self.name} sent no response headers within "
+                    f"{self.connect_timeout:g}s",
                 ) from None
             if isinstance(e, CancelledError) or _wraps_cancel(e):
                 raise CancelledError() from None
@@ -115,7 +129,9 @@ class Upstream:
                 timer.cancel()
 
     def stream(
-        self, response: IResponse, on_data: Callable[[bytes], None],
+        self,
+        response: IResponse,
+        on_data: Callable[[bytes], None],
         on_producer: Callable[[IPushProducer], None] | None = None,
     ) -> Deferred[None]:
         """Feed the body to `on_data` as it arrives; fire when it ends cleanly.
@@ -138,10 +154,8 @@ class Upstream:
                 parts.append(data[: limit - size])
                 size += len(data)
 
-        try:
+        with suppress(UpstreamBroken):  # what did arrive is still worth quoting
             await self.stream(response, take)
-        except UpstreamBroken:
-            pass
         return b"".join(parts)
 
 
@@ -186,8 +200,12 @@ def _reason(e: BaseException) -> str:
 
 class _BodyStream(Protocol):
     def __init__(
-        self, on_data: Callable[[bytes], None], clock: IReactorTime, idle_timeout: float,
-        name: str, on_producer: Callable[[IPushProducer], None] | None,
+        self,
+        on_data: Callable[[bytes], None],
+        clock: IReactorTime,
+        idle_timeout: float,
+        name: str,
+        on_producer: Callable[[IPushProducer], None] | None,
     ) -> None:
         self._on_data = on_data
         self._clock = clock
@@ -222,7 +240,9 @@ class _BodyStream(Protocol):
         elif reason.check(ResponseDone, PotentialDataLoss):
             self.done.callback(None)
         else:
-            self.done.errback(UpstreamBroken(f"upstream {self._name} broke off: {_reason(reason.value)}"))
+            self.done.errback(
+                UpstreamBroken(f"upstream {self._name} broke off: {_reason(reason.value)}")
+            )
 
     def _idle(self) -> None:
         self._failure = UpstreamBroken(

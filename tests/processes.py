@@ -1,0 +1,127 @@
+"""Real `twistd` processes for the tests that run the gateway the way its users do.
+
+Each process runs from a temporary directory with no PYTHONPATH, so `twistd homelab-gateway`
+must find the plugin where `pip install` put it, not in this checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+TWISTD = str(BIN / "twistd")
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Process:
+    """A child process whose output is read line by line on a thread, so waits are bounded."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.popen = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env=env or clean_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_line(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.output.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(
+            f"{pattern!r} not seen from {self.args}; output:\n{''.join(self.output)}"
+        )
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def stopped_cleanly(self) -> bool:
+        """SIGTERM, then a clean twistd shutdown: exit 0, or twistd re-raising SIGTERM after it
+        shut down (which systemd counts as a clean stop)."""
+        code = self.stop()
+        while (line := self.lines.get(timeout=5)) is not None:
+            self.output.append(line)
+        text = "".join(self.output)
+        return (
+            code in (0, -signal.SIGTERM) and "Server Shut Down." in text and "Traceback" not in text
+        )
+
+
+def start_stub(cwd: Path, *options: str) -> tuple[Process, str]:
+    process = Process(
+        [
+            TWISTD,
+            "--nodaemon",
+            "--pidfile=",
+            "homelab-stub",
+            "--port",
+            "tcp:0:interface=127.0.0.1",
+            *options,
+        ],
+        cwd,
+    )
+    port = process.wait_for_line(r"Site starting on (\d+)").group(1)
+    return process, f"http://127.0.0.1:{port}/v1"
+
+
+def start_gateway(cwd: Path, config: str, *options: str) -> tuple[Process, str]:
+    path = cwd / "gateway.toml"
+    path.write_text(config)
+    process = Process(
+        [
+            TWISTD,
+            "--nodaemon",
+            "--pidfile=",
+            "homelab-gateway",
+            "--config",
+            str(path),
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            *options,
+        ],
+        cwd,
+    )
+    url = process.wait_for_line(r"homelab-gateway listening on (http://\S+)").group(1)
+    return process, url
