@@ -322,3 +322,41 @@ class ProxyIntegration(TestCase):
         self.assertLessEqual(self.stub.stats.max_in_flight, 2)
         for holder in holders:
             await holder.closed
+
+
+class Backpressure(TestCase):
+    """A client that stops reading must pause the upstream, not fill the gateway's memory."""
+
+    def setUp(self) -> None:
+        self.servers = Servers(self)
+        self.stub_url, self.stub, self.log = self.servers.stub(
+            reasoning_tokens=0, content_tokens=400_000
+        )
+        self.servers.start_gateway(gateway_document(self.stub_url))
+        self.port = self.servers.gateway_port
+
+    async def check(self, path: str, body: dict[str, Any]) -> None:
+        response = raw_request(self.port, "POST", path, body)
+        await response.until(lambda: len(response.raw) > 0)
+        response.transport.pauseProducing()  # stop reading, like a stalled browser tab
+        await wait_for(lambda: self.stub.stats.paused > 0, 30.0, "the stub to be paused")
+        self.assertEqual(self.log.events("complete"), [], "the whole stream was buffered somewhere")
+        response.disconnect()
+        await wait_for(lambda: self.log.events("cancelled"), 2.0, "the stub to be cancelled")
+        await wait_for(
+            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, 2.0, "the slot"
+        )
+
+    @async_test
+    async def test_through_the_proxy(self) -> None:
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 10**6,
+            "messages": [{"role": "user", "content": "content-only"}],
+        }
+        await self.check("/openai/chat/completions", body)
+
+    @async_test
+    async def test_through_the_translator(self) -> None:
+        await self.check("/llm/v1/messages", chat(content="content-only", max_tokens=10**6))

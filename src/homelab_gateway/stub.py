@@ -68,6 +68,7 @@ class StubStats:
     max_in_flight: int = 0
     completed: int = 0
     cancelled: int = 0
+    paused: int = 0  # times a client's full send buffer paused a generation (backpressure)
     models: dict[str, int] = field(default_factory=dict)
 
 
@@ -312,26 +313,29 @@ class _Generation:
             self.stub.log.write(event, self.id, **fields)
 
     def client_left(self, reason: Any) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        self._cancel_call()
         if not self._done:
             self.stub.stats.cancelled += 1
             self._finish("cancelled")
 
     # IPushProducer: the client's socket buffer is full, or has room again.
     def pauseProducing(self) -> None:
+        if not self._paused:
+            self.stub.stats.paused += 1
         self._paused = True
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        self._cancel_call()
 
     def resumeProducing(self) -> None:
         self._paused = False
         self._schedule(self.stub.settings.delay)
 
     def stopProducing(self) -> None:
-        self.pauseProducing()
+        self._cancel_call()
+
+    def _cancel_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
 
     def answer_whole(self) -> bytes:
         """The non-streaming `chat.completion`, by running the same plan without pacing."""
