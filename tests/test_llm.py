@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from twisted.trial.unittest import TestCase
@@ -137,6 +138,26 @@ class Streaming(LLMSurface):
         response.disconnect()
         await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
         await self.settled()
+
+
+class ClaudeCode(LLMSurface):
+    @async_test
+    async def test_a_recorded_claude_code_request_streams(self) -> None:
+        fixture = Path(__file__).parent / "fixtures" / "claude_code_2.1.197_request.json"
+        headers = {
+            "anthropic-version": "2023-06-01",
+            "x-api-key": "sk-anything",
+            "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+            "anthropic-dangerous-direct-browser-access": "true",
+            "User-Agent": "claude-cli/2.1.197 (external, sdk-cli)",
+        }
+        response = await self.post(
+            fixture.read_bytes(), path="/llm/v1/messages?beta=true", headers=headers
+        )
+        self.assertEqual(response.status, 200, response.body_text())
+        self.assertEqual(
+            check_stream([d for _, d in response.frames()], allow_queue=False), "complete"
+        )
 
 
 class Pings(LLMSurface):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -405,3 +406,24 @@ def test_estimate_grows_with_the_prompt() -> None:
         MODEL,
     )
     assert 0 < short.estimated_input_tokens < long.estimated_input_tokens
+
+
+def test_a_recorded_claude_code_request_maps() -> None:
+    """Claude Code 2.1.197's real request (texts scrubbed): betas, context_management, effort,
+    adaptive thinking, a system message inside messages, 24 tools."""
+    fixture = Path(__file__).parent / "fixtures" / "claude_code_2.1.197_request.json"
+    body = json.loads(fixture.read_text())
+    model = ModelConfig(
+        name="reasoning",
+        upstream="v",
+        upstream_model="m",
+        max_tokens=8192,
+        map_thinking=True,
+        map_effort=True,
+    )
+    out = map_request(body, model)
+    assert out.stream and out.body["max_tokens"] == 8192
+    assert [m["role"] for m in out.body["messages"]] == ["system", "user", "system"]
+    assert len(out.body["tools"]) == len(body["tools"]) == 24
+    assert out.body["chat_template_kwargs"] == {"enable_thinking": True}
+    assert out.body["reasoning_effort"] == "high"
