@@ -9,6 +9,7 @@ from typing import Any
 
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway.channel import WireLimits
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 from tests.test_proxy import async_test
@@ -245,7 +246,8 @@ class Errors(LLMSurface):
 
     @async_test
     async def test_body_over_the_limit_is_413(self) -> None:
-        self.servers.gateway.app.messages.max_body_bytes = 1000
+        site = self.servers.gateway.site
+        site.limits = WireLimits(max_body_bytes=1000, max_header_bytes=16384, request_timeout=60)
         body = chat(content="x" * 2000)
         await self.error(body, 413, "request_too_large")
 

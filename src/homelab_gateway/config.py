@@ -61,6 +61,19 @@ class ServerConfig:
     listen: str = DEFAULT_LISTEN
     ping_interval: float = 10.0
     max_body_bytes: int = 10 * 1024 * 1024
+    max_header_bytes: int = 16384
+    request_timeout: float = 60.0
+    write_stall_timeout: float = 120.0
+    shutdown_grace: float = 30.0
+    probe_interval: float = 15.0
+    log_format: str = "text"
+    cors_origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    api_keys: frozenset[str] | None = None  # None: no keys configured, access is open
+    protect_metrics: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class Config:
     upstreams: Mapping[str, UpstreamConfig]
     models: Mapping[str, ModelConfig]
     routes: tuple[RouteConfig, ...] = ()
+    auth: AuthConfig = AuthConfig()
 
 
 class _Section:
@@ -174,8 +188,9 @@ def parse_config(
     document: Mapping[str, Any], *, source: str = "<config>", environ: Mapping[str, str]
 ) -> Config:
     top = _Section(source, "", dict(document))
-    top.reject_unknown({"server", "upstreams", "models", "routes"})
+    top.reject_unknown({"server", "upstreams", "models", "routes", "auth"})
     server = _parse_server(_Section(source, "server", top.table.get("server", {})))
+    auth = _parse_auth(_Section(source, "auth", top.table.get("auth", {})), environ)
 
     upstream_tables = _Section(source, "upstreams", top.table.get("upstreams", {}))
     upstreams = {
@@ -199,7 +214,7 @@ def parse_config(
     for i, prefix in enumerate(prefixes):
         if prefix in prefixes[:i]:
             raise ConfigError(f"{source}: routes[{i}].prefix: {prefix!r} is used by another route")
-    return Config(server=server, upstreams=upstreams, models=models, routes=routes)
+    return Config(server=server, upstreams=upstreams, models=models, routes=routes, auth=auth)
 
 
 def _quote(name: str) -> str:
@@ -208,13 +223,63 @@ def _quote(name: str) -> str:
 
 
 def _parse_server(section: _Section) -> ServerConfig:
-    section.reject_unknown({"listen", "ping_interval", "max_body_bytes"})
+    defaults = ServerConfig()
+    section.reject_unknown(set(ServerConfig.__dataclass_fields__))
     listen = section.string("listen", DEFAULT_LISTEN)
     check_endpoint(listen, lambda message: section.error("listen", message))
+    log_format = section.string("log_format", "text")
+    if log_format not in ("text", "json"):
+        raise section.error("log_format", f"must be 'text' or 'json', got {log_format!r}")
+    origins = section.table.get("cors_origins", [])
+    if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+        raise section.error(
+            "cors_origins", "must be an array of origins like 'https://chat.home.lan'"
+        )
+    for origin in origins:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
+            raise section.error(
+                "cors_origins", f"{origin!r} is not an origin (scheme://host[:port])"
+            )
     return ServerConfig(
         listen=listen,
-        ping_interval=section.seconds("ping_interval", 10.0),
-        max_body_bytes=section.integer("max_body_bytes", 10 * 1024 * 1024),
+        ping_interval=section.seconds("ping_interval", defaults.ping_interval),
+        max_body_bytes=section.integer("max_body_bytes", defaults.max_body_bytes),
+        max_header_bytes=section.integer(
+            "max_header_bytes", defaults.max_header_bytes, minimum=1024
+        ),
+        request_timeout=section.seconds("request_timeout", defaults.request_timeout),
+        write_stall_timeout=section.seconds("write_stall_timeout", defaults.write_stall_timeout),
+        shutdown_grace=section.seconds("shutdown_grace", defaults.shutdown_grace),
+        probe_interval=section.seconds("probe_interval", defaults.probe_interval),
+        log_format=log_format,
+        cors_origins=tuple(origins),
+    )
+
+
+def _parse_auth(section: _Section, environ: Mapping[str, str]) -> AuthConfig:
+    section.reject_unknown({"api_keys_env", "api_keys_file", "protect_metrics"})
+    keys: set[str] = set()
+    configured = False
+    env_name = section.string("api_keys_env")
+    if env_name is not None:
+        configured = True
+        keys.update(k.strip() for k in environ.get(env_name, "").split(",") if k.strip())
+    file_name = section.string("api_keys_file")
+    if file_name is not None:
+        configured = True
+        try:
+            lines = Path(file_name).read_text().splitlines()
+        except OSError as e:
+            raise section.error("api_keys_file", f"cannot read {file_name}: {e.strerror}") from None
+        keys.update(k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#"))
+    if configured and not keys:
+        # Keys were asked for but none were found: fail closed rather than run open.
+        where = " or ".join(f for f in (env_name, file_name) if f)
+        raise section.error("", f"no API keys found in {where}")
+    return AuthConfig(
+        api_keys=frozenset(keys) if configured else None,
+        protect_metrics=section.boolean("protect_metrics", False),
     )
 
 

@@ -34,12 +34,16 @@ class GatewayError(Exception):
         *,
         error_type: str | None = None,
         retry_after: int | None = None,
+        outcome: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type or ERROR_TYPES.get(status, "api_error")
         self.retry_after = retry_after
+        # For the request log and metrics: a client's mistake or the upstream's failure,
+        # unless the raiser knows better (queue full, queue timeout, shutdown).
+        self.outcome = outcome or ("bad_request" if status < 500 else "upstream_error")
 
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": self.error_type, "message": self.message}}

@@ -100,6 +100,12 @@ class PositionedSemaphore(DeferredSemaphore):
             if d in self._listeners and self._reported[d] != position:
                 self._tell(d, position)
 
+    def fail_waiting(self, reason: Exception) -> None:
+        """Empty the line, failing every waiter with `reason` (shutdown)."""
+        waiting, self.waiting = self.waiting, []
+        for d in waiting:
+            d.errback(reason)
+
     def close(self) -> None:
         """Stop the pending renumbering pass (service shutdown, test cleanup)."""
         if self._pass is not None and self._pass.active():

@@ -2,29 +2,28 @@
 
 A request flows route -> slot (limiter) -> upstream (treq) -> SSE parser -> translator ->
 `EventStream`, each upstream read translated and written as it arrives. Each request is one
-coroutine driven by a Deferred that is cancelled when the client disconnects; the cancellation
-lands on whatever it awaits (its place in the queue, the upstream's headers, the upstream's
-body) and every resource is given back in a `finally`, so no exit path can keep a slot.
+coroutine run by `InFlight`, cancelled when the client disconnects; the cancellation lands on
+whatever it awaits (its place in the queue, the upstream's headers, the upstream's body) and
+every resource is given back in a `finally`, so no exit path can keep a slot.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from twisted.internet.defer import Deferred, DeferredSemaphore, ensureDeferred
-from twisted.internet.defer import TimeoutError as DeferredTimeout
+from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import GatewayError, upstream_http_error
-from homelab_gateway.limiter import PositionedSemaphore, QueueFull
 from homelab_gateway.mapping import InvalidRequest, MappedRequest, map_request, request_model
+from homelab_gateway.pool import Pool
+from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.sse import SSEParser, encode_event
+from homelab_gateway.telemetry import RequestRecord
 from homelab_gateway.translator import (
     Event,
     IncompleteMessage,
@@ -33,73 +32,15 @@ from homelab_gateway.translator import (
     StreamTranslator,
     error_event,
 )
-from homelab_gateway.upstream import Backpressure, Upstream, UpstreamBroken
+from homelab_gateway.upstream import Backpressure, UpstreamBroken
 
 PING: Event = {"type": "ping"}
-QUEUE_FULL_RETRY_AFTER = 5
 
 
-@dataclass
-class Pool:
-    """One upstream with its slots: what a model or a route sends its requests to."""
-
-    upstream: Upstream
-    slots: PositionedSemaphore
-    queue_timeout: float
-    continuous_usage_stats: bool = True
-
-    async def hold_slot(
-        self, clock: IReactorTime, on_position: Callable[[int], None] | None = None
-    ) -> DeferredSemaphore:
-        """Wait for a slot (FIFO, bounded by queue_limit and queue_timeout); the caller releases.
-
-        Cancelling the awaiting Deferred removes the waiter from the line.
-        """
-        try:
-            d = self.slots.acquire_in_line(on_position)
-        except QueueFull:
-            raise GatewayError(
-                529,
-                f"upstream {self.upstream.name} is busy: its queue is full "
-                f"({self.slots.queue_limit} waiting)",
-                retry_after=QUEUE_FULL_RETRY_AFTER,
-            ) from None
-        d.addTimeout(self.queue_timeout, clock)
-        try:
-            return await d
-        except DeferredTimeout:
-            raise GatewayError(
-                529,
-                f"waited {self.queue_timeout:g}s for a slot on upstream {self.upstream.name}",
-                retry_after=QUEUE_FULL_RETRY_AFTER,
-            ) from None
-
-
-def run_cancellable(request: IRequest, work: Coroutine[Any, Any, Any]) -> Deferred[Any]:
-    """Drive `work`, cancelling it the moment the client goes away.
-
-    Klein does the same, but the guarantee that an abandoned request frees its upstream is the
-    product, so it is made here rather than left to a framework detail.
-    """
-    d = ensureDeferred(work)
-    request.notifyFinish().addErrback(lambda _: d.cancel())
-    return d
-
-
-def new_request_id() -> str:
-    return "req_" + secrets.token_hex(12)
-
-
-def send_json(request: IRequest, status: int, document: Any) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    return json.dumps(document, ensure_ascii=False).encode()
-
-
-def send_error(request: IRequest, error: GatewayError) -> bytes:
-    if error.retry_after is not None:
-        request.setHeader(b"retry-after", str(error.retry_after).encode())
-    return send_json(request, error.status, error.anthropic_body())
+def shutdown_error() -> GatewayError:
+    return GatewayError(
+        503, "the gateway shut down before the answer was finished", outcome="shutdown"
+    )
 
 
 class EventStream:
@@ -173,38 +114,27 @@ class Messages:
         pools: Mapping[str, Pool],
         clock: IReactorTime,
         ping_interval: float,
-        max_body_bytes: int,
+        write_stall_timeout: float,
     ) -> None:
         self.models = models
         self.pools = pools
         self.clock = clock
         self.ping_interval = ping_interval
-        self.max_body_bytes = max_body_bytes
-
-    def read_body(self, request: IRequest) -> Any:
-        length = request.getHeader(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise GatewayError(413, f"request body exceeds {self.max_body_bytes} bytes")
-        raw = request.content.read(self.max_body_bytes + 1)
-        if len(raw) > self.max_body_bytes:
-            raise GatewayError(413, f"request body exceeds {self.max_body_bytes} bytes")
-        try:
-            return json.loads(raw)
-        except RecursionError:
-            raise GatewayError(400, "request body is nested too deeply") from None
-        except ValueError as e:
-            raise GatewayError(400, f"request body is not valid JSON: {e}") from None
+        self.write_stall_timeout = write_stall_timeout
 
     def resolve(
-        self, request: IRequest, *, count_only: bool = False
-    ) -> tuple[ModelConfig, Pool, MappedRequest]:
-        body = self.read_body(request)
+        self, request: IRequest, record: RequestRecord, *, count_only: bool = False
+    ) -> tuple[Pool, MappedRequest]:
+        """Parse and map the request body; the channel has already bounded its size."""
         try:
+            body = json.loads(request.content.read())
             name = request_model(body)
+            record.model = name
             model = self.models.get(name)
             if model is None:
                 known = ", ".join(sorted(self.models))
                 raise GatewayError(404, f"model: {name!r} is not served here (models: {known})")
+            record.upstream = model.upstream
             pool = self.pools[model.upstream]
             mapped = map_request(
                 body,
@@ -212,50 +142,64 @@ class Messages:
                 continuous_usage_stats=pool.continuous_usage_stats,
                 count_only=count_only,
             )
-        except InvalidRequest as e:
-            raise GatewayError(400, str(e)) from None
         except RecursionError:
             raise GatewayError(400, "request body is nested too deeply") from None
-        return model, pool, mapped
+        except InvalidRequest as e:
+            raise GatewayError(400, str(e)) from None
+        except ValueError as e:
+            raise GatewayError(400, f"request body is not valid JSON: {e}") from None
+        record.stream = mapped.stream
+        record.input_tokens = mapped.estimated_input_tokens
+        return pool, mapped
 
-    def render(self, request: IRequest) -> Deferred[Any]:
-        request_id = new_request_id()
-        request.setHeader(b"request-id", request_id.encode())
-        return run_cancellable(request, self._answer(request))
-
-    async def _answer(self, request: IRequest) -> bytes | None:
+    async def answer(self, request: IRequest, record: RequestRecord) -> bytes | None:
         if request.method != b"POST":
             request.setHeader(b"allow", b"POST")
             return send_error(request, GatewayError(405, "use POST for /v1/messages"))
         try:
-            _, pool, mapped = self.resolve(request)
+            pool, mapped = self.resolve(request, record)
             if mapped.stream:
-                await self._stream(request, pool, mapped)
+                await self._stream(request, record, pool, mapped)
                 return None
-            return send_json(request, 200, await self._whole(pool, mapped))
+            return send_json(request, 200, await self._whole(record, pool, mapped))
         except GatewayError as e:
+            record.outcome = record.outcome or e.outcome
             return send_error(request, e)
+        except CancelledError:
+            if record.outcome != "shutdown":
+                raise  # the client left: there is no one to answer
+            return send_error(request, shutdown_error())
 
-    async def _stream(self, request: IRequest, pool: Pool, mapped: MappedRequest) -> None:
+    async def _stream(
+        self, request: IRequest, record: RequestRecord, pool: Pool, mapped: MappedRequest
+    ) -> None:
         stream = EventStream(request, self.clock, self.ping_interval)
         try:
-            slot = await pool.hold_slot(self.clock, stream.queue_position)
+            slot = await pool.hold_slot(self.clock, record, stream.queue_position)
             try:
-                await self._relay(request, pool, mapped, stream.send, stream)
+                await self._relay(request, record, pool, mapped, stream.send)
             finally:
                 slot.release()
         except GatewayError as e:
+            record.outcome = record.outcome or e.outcome
             if not stream.started:
                 raise
             stream.send([error_event(e.error_type, e.message)])
+        except CancelledError:
+            if record.outcome != "shutdown" or not stream.started:
+                raise
+            error = shutdown_error()
+            stream.send([error_event(error.error_type, error.message)])
         finally:
             stream.close()
 
-    async def _whole(self, pool: Pool, mapped: MappedRequest) -> dict[str, Any]:
+    async def _whole(
+        self, record: RequestRecord, pool: Pool, mapped: MappedRequest
+    ) -> dict[str, Any]:
         builder = MessageBuilder()
-        slot = await pool.hold_slot(self.clock)
+        slot = await pool.hold_slot(self.clock, record)
         try:
-            await self._relay(None, pool, mapped, builder.add, None)
+            await self._relay(None, record, pool, mapped, builder.add)
         finally:
             slot.release()
         try:
@@ -268,20 +212,28 @@ class Messages:
     async def _relay(
         self,
         request: IRequest | None,
+        record: RequestRecord,
         pool: Pool,
         mapped: MappedRequest,
         emit: Callable[[list[Event]], None],
-        stream: EventStream | None,
     ) -> None:
         """Send the upstream request and pour its translated stream into `emit`.
 
         Raises GatewayError while nothing has been emitted (the client can still get an HTTP
-        error); after that every failure is an error event through `emit`.
+        error); after that every failure is an error event through `emit`. With a `request`,
+        the client's connection is backpressure on the upstream's.
         """
         upstream = pool.upstream
         body = json.dumps(mapped.body).encode()
         headers = {b"content-type": [b"application/json"], b"accept": [b"text/event-stream"]}
-        response = await upstream.open("POST", upstream.url + "/chat/completions", headers, body)
+        sent_at = self.clock.seconds()
+        try:
+            response = await upstream.open(
+                "POST", upstream.url + "/chat/completions", headers, body
+            )
+        except CancelledError:
+            record.upstream_cancelled = True
+            raise
         if response.code != 200:
             error_body = await upstream.read_limited(response)
             retry_after = response.headers.getRawHeaders(b"retry-after", [None])[0]
@@ -304,6 +256,10 @@ class Messages:
                 error = events[0]["error"]
                 status = 529 if error["type"] == "overloaded_error" else 502
                 raise GatewayError(status, error["message"])
+            if record.first_token is None and any(
+                e["type"] == "content_block_delta" for e in events
+            ):
+                record.first_token = self.clock.seconds() - sent_at
             emitted = True
             emit(events)
 
@@ -321,19 +277,30 @@ class Messages:
                 if translator.phase is Phase.FAILED:
                     raise _TranslationOver()
 
-        backpressure = Backpressure(request) if request is not None else None
+        backpressure = (
+            Backpressure(request, self.clock, self.write_stall_timeout)
+            if request is not None
+            else None
+        )
         try:
             await upstream.stream(response, on_data, backpressure)
         except _TranslationOver:
-            return
+            pass
         except UpstreamBroken as e:
             deliver(translator.fail("api_error", str(e)))
-            return
+        except CancelledError:
+            record.upstream_cancelled = True
+            raise
         finally:
             if backpressure is not None:
                 backpressure.release()
+            record.input_tokens = translator.input_tokens
+            record.output_tokens = translator.final_output_tokens
+            record.stop_reason = translator.stop_reason
         deliver(
             translator.fail(
                 "api_error", f"upstream {upstream.name} closed the stream before [DONE]"
             )
         )
+        if translator.phase is Phase.FAILED:
+            record.outcome = record.outcome or "upstream_error"

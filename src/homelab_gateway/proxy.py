@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.errors import GatewayError
-from homelab_gateway.llm import Pool, send_json
+from homelab_gateway.pool import Pool
+from homelab_gateway.respond import send_error
+from homelab_gateway.telemetry import RequestRecord
 from homelab_gateway.upstream import Backpressure, Upstream, UpstreamBroken
 
 HOP_BY_HOP = frozenset(
@@ -36,6 +39,17 @@ HOP_BY_HOP = frozenset(
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 
 
+def _named_by_connection(headers: list[tuple[bytes, list[bytes]]]) -> set[bytes]:
+    """Headers the Connection header declares hop-by-hop for this one connection."""
+    return {
+        token.strip().lower()
+        for name, values in headers
+        if name.lower() == b"connection"
+        for value in values
+        for token in value.split(b",")
+    }
+
+
 def forward_headers(
     headers: Iterable[tuple[bytes, list[bytes]]],
     *,
@@ -43,23 +57,22 @@ def forward_headers(
     proto: str,
     host: bytes | None,
     keep_authorization: bool,
+    drop: bytes | None = None,
 ) -> dict[bytes, list[bytes]]:
-    """The request headers to send upstream: end-to-end ones, plus X-Forwarded-*."""
-    headers = [(name.lower(), values) for name, values in headers]
-    named_by_connection = {
-        token.strip().lower()
-        for name, values in headers
-        if name == b"connection"
-        for value in values
-        for token in value.split(b",")
-    }
+    """The request headers to send upstream: end-to-end ones, plus X-Forwarded-*.
+
+    `drop` names the header that carried the gateway's own API key, which no upstream sees.
+    """
+    lowered = [(name.lower(), values) for name, values in headers]
+    skip = set(NOT_FORWARDED) | _named_by_connection(lowered)
+    if drop is not None:
+        skip.add(drop)
+    if not keep_authorization:
+        skip.add(b"authorization")
     out: dict[bytes, list[bytes]] = {}
-    for name, values in headers:
-        if name in NOT_FORWARDED or name in named_by_connection:
-            continue
-        if name == b"authorization" and not keep_authorization:
-            continue
-        out.setdefault(name, []).extend(values)
+    for name, values in lowered:
+        if name not in skip:
+            out.setdefault(name, []).extend(values)
     prior = b", ".join(out.pop(b"x-forwarded-for", []))
     out[b"x-forwarded-for"] = [prior + b", " + client_ip.encode() if prior else client_ip.encode()]
     out[b"x-forwarded-proto"] = [proto.encode()]
@@ -73,18 +86,8 @@ def response_headers(
 ) -> list[tuple[bytes, list[bytes]]]:
     """The upstream's response headers minus the hop-by-hop ones (and those Connection names)."""
     headers = list(headers)
-    named = {
-        token.strip().lower()
-        for name, values in headers
-        if name.lower() == b"connection"
-        for value in values
-        for token in value.split(b",")
-    }
-    return [
-        (name, values)
-        for name, values in headers
-        if name.lower() not in HOP_BY_HOP and name.lower() not in named
-    ]
+    skip = HOP_BY_HOP | _named_by_connection(headers)
+    return [(name, values) for name, values in headers if name.lower() not in skip]
 
 
 def escapes_prefix(remainder: bytes) -> bool:
@@ -101,10 +104,13 @@ class ProxyRoute:
 
 
 class ReverseProxy:
-    def __init__(self, routes: Iterable[ProxyRoute], clock: IReactorTime) -> None:
+    def __init__(
+        self, routes: Iterable[ProxyRoute], clock: IReactorTime, write_stall_timeout: float
+    ) -> None:
         # Longest prefix first, so /a/b/ wins over /a/.
         self.routes = sorted(routes, key=lambda r: len(r.prefix), reverse=True)
         self.clock = clock
+        self.write_stall_timeout = write_stall_timeout
 
     def match(self, path: bytes) -> tuple[ProxyRoute, bytes] | None:
         for route in self.routes:
@@ -119,11 +125,19 @@ class ReverseProxy:
                 return route.prefix
         return None
 
-    async def forward(self, request: IRequest, route: ProxyRoute, remainder: bytes) -> bytes | None:
+    async def forward(
+        self,
+        request: IRequest,
+        record: RequestRecord,
+        route: ProxyRoute,
+        remainder: bytes,
+        credential_header: bytes | None,
+    ) -> bytes | None:
+        record.upstream = route.upstream.name
         if escapes_prefix(remainder):
-            return send_json(
-                request, 400, GatewayError(400, "path escapes the route prefix").openai_body()
-            )
+            error = GatewayError(400, "path escapes the route prefix")
+            record.outcome = error.outcome
+            return send_error(request, error, anthropic=False)
         query = request.uri.partition(b"?")[2]
         url = route.upstream.url.encode() + b"/" + remainder + (b"?" + query if query else b"")
         peer: Any = request.getClientAddress()
@@ -133,23 +147,35 @@ class ReverseProxy:
             proto="https" if request.isSecure() else "http",
             host=request.getHeader(b"host"),
             keep_authorization=route.upstream.api_key is None,
+            drop=credential_header,
         )
         body = request.content.read()
         try:
-            slot = await route.pool.hold_slot(self.clock) if route.pool is not None else None
+            slot = (
+                await route.pool.hold_slot(self.clock, record) if route.pool is not None else None
+            )
+            try:
+                return await self._relay(request, record, route.upstream, url, headers, body)
+            finally:
+                if slot is not None:
+                    slot.release()
         except GatewayError as e:
-            if e.retry_after is not None:
-                request.setHeader(b"retry-after", str(e.retry_after).encode())
-            return send_json(request, e.status, e.openai_body())
-        try:
-            return await self._relay(request, route.upstream, url, headers, body)
-        finally:
-            if slot is not None:
-                slot.release()
+            record.outcome = record.outcome or e.outcome
+            return send_error(request, e, anthropic=False)
+        except CancelledError:
+            if record.outcome != "shutdown":
+                raise
+            if request.startedWriting:
+                request.channel.transport.abortConnection()  # cut mid-body: visibly incomplete
+                return None
+            return send_error(
+                request, GatewayError(503, "the gateway is shutting down"), anthropic=False
+            )
 
     async def _relay(
         self,
         request: IRequest,
+        record: RequestRecord,
         upstream: Upstream,
         url: bytes,
         headers: dict[bytes, list[bytes]],
@@ -159,20 +185,25 @@ class ReverseProxy:
             response = await upstream.open(
                 request.method.decode(), url.decode(), headers, body or None
             )
-        except GatewayError as e:
-            return send_json(request, e.status, e.openai_body())
+        except CancelledError:
+            record.upstream_cancelled = True
+            raise
         request.setResponseCode(response.code, response.phrase)
         for name, values in response_headers(response.headers.getAllRawHeaders()):
             request.responseHeaders.setRawHeaders(name, values)
         if isinstance(response.length, int):  # Agent moves Content-Length out of .headers
             request.setHeader(b"content-length", str(response.length).encode())
-        backpressure = Backpressure(request)
+        backpressure = Backpressure(request, self.clock, self.write_stall_timeout)
         try:
             await upstream.stream(response, request.write, backpressure)
         except UpstreamBroken:
             # Status and part of the body are out: only a broken connection tells the client
             # that the body is incomplete (a clean end would look like success).
+            record.outcome = "upstream_error"
             request.channel.transport.abortConnection()
+        except CancelledError:
+            record.upstream_cancelled = True
+            raise
         finally:
             backpressure.release()
         return None

@@ -1,29 +1,37 @@
 """From a Config to a listening gateway: the objects one running daemon holds, and its Service.
 
-`Gateway` builds the per-upstream clients and slots and the web site from the config, taking
-the reactor as a parameter so tests can hand it their own. `GatewayService` binds the listening
-port in `privilegedStartService`, so a port that cannot be bound stops start-up with one line
-and a non-zero exit instead of a daemon that runs and serves nothing.
+`Gateway` builds the per-upstream clients and slots, the policy, telemetry and the web site from
+the config, taking the reactor as a parameter so tests can hand it their own. `GatewayService`
+binds the port in `privilegedStartService`, so a port that cannot be bound stops start-up with
+one line and a non-zero exit, and drains on stop: no new connections, new requests refused,
+queued ones failed, in-flight ones given `shutdown_grace` seconds, then cancelled.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import IO, Any
 
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
+from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort, IStreamServerEndpoint
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger, jsonFileLogObserver
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
-from twisted.web.server import Site
 
+from homelab_gateway.access import AccessPolicy
+from homelab_gateway.channel import GatewaySite, WireLimits
 from homelab_gateway.config import Config
+from homelab_gateway.errors import GatewayError
+from homelab_gateway.inflight import InFlight
 from homelab_gateway.limiter import PositionedSemaphore
-from homelab_gateway.llm import Pool
+from homelab_gateway.llm import Messages
+from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ProxyRoute, ReverseProxy
+from homelab_gateway.readiness import Readiness
+from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream import RawHTTP, Upstream, llm_http
 from homelab_gateway.web import GatewayApp
 
@@ -33,6 +41,8 @@ log = Logger()
 class Gateway:
     def __init__(self, config: Config, reactor: Any) -> None:
         self.config = config
+        self.reactor = reactor
+        server = config.server
         self.http_pool = HTTPConnectionPool(reactor, persistent=True)
         self.http_pool.maxPersistentPerHost = max(
             [16, *(u.slots for u in config.upstreams.values())]
@@ -41,7 +51,6 @@ class Gateway:
         for name, upstream in config.upstreams.items():
             self.pools[name] = Pool(
                 upstream=self._client(
-                    reactor,
                     name,
                     upstream.url,
                     upstream.connect_timeout,
@@ -60,11 +69,9 @@ class Gateway:
             pool = self.pools[route.upstream] if route.upstream else None
             url = pool.upstream.url if pool else route.url
             assert url is not None
-            name = route.upstream or route.prefix
             api_key = config.upstreams[route.upstream].api_key if route.upstream else None
             client = self._client(
-                reactor,
-                name,
+                route.upstream or route.prefix,
                 url,
                 route.connect_timeout,
                 route.idle_timeout,
@@ -72,20 +79,41 @@ class Gateway:
                 transparent=True,
             )
             routes.append(ProxyRoute(prefix=route.prefix.encode(), upstream=client, pool=pool))
+        self.telemetry = Telemetry(reactor, self.pools)
+        self.inflight = InFlight(reactor, self.telemetry)
+        self.readiness = Readiness(self.pools, reactor, server.probe_interval)
+        self.access = AccessPolicy(
+            config.auth.api_keys,
+            protect_metrics=config.auth.protect_metrics,
+            cors_origins=server.cors_origins,
+        )
         self.app = GatewayApp(
             models=config.models,
             pools=self.pools,
-            proxy=ReverseProxy(routes, reactor),
+            proxy=ReverseProxy(routes, reactor, server.write_stall_timeout),
+            messages=Messages(
+                models=config.models,
+                pools=self.pools,
+                clock=reactor,
+                ping_interval=server.ping_interval,
+                write_stall_timeout=server.write_stall_timeout,
+            ),
+            access=self.access,
+            inflight=self.inflight,
+            telemetry=self.telemetry,
+            readiness=self.readiness,
             clock=reactor,
-            ping_interval=config.server.ping_interval,
-            max_body_bytes=config.server.max_body_bytes,
         )
-        self.site = Site(self.app.app.resource())
+        limits = WireLimits(
+            max_body_bytes=server.max_body_bytes,
+            max_header_bytes=server.max_header_bytes,
+            request_timeout=server.request_timeout,
+        )
+        self.site = GatewaySite(self.app.app.resource(), limits, reactor=reactor)
         self.site.displayTracebacks = False
 
     def _client(
         self,
-        reactor: Any,
         name: str,
         url: str,
         connect_timeout: float,
@@ -94,21 +122,34 @@ class Gateway:
         *,
         transparent: bool,
     ) -> Upstream:
-        agent = Agent(reactor, connectTimeout=connect_timeout, pool=self.http_pool)
+        agent = Agent(self.reactor, connectTimeout=connect_timeout, pool=self.http_pool)
         return Upstream(
             name=name,
             url=url,
             http=RawHTTP(agent) if transparent else llm_http(agent),
-            clock=reactor,
+            clock=self.reactor,
             connect_timeout=connect_timeout,
             idle_timeout=idle_timeout,
             api_key=api_key,
         )
 
-    def close(self) -> Deferred[Any]:
+    def start(self) -> None:
+        self.readiness.start()
+
+    async def drain(self) -> None:
+        """Refuse new work, fail the queued, give in-flight requests the grace period."""
+        self.inflight.draining = True
+        for pool in self.pools.values():
+            pool.slots.fail_waiting(
+                GatewayError(529, "the gateway is shutting down", outcome="shutdown")
+            )
+        await self.inflight.drain(self.config.server.shutdown_grace)
+
+    async def close(self) -> None:
+        self.readiness.stop()
         for pool in self.pools.values():
             pool.slots.close()
-        return self.http_pool.closeCachedConnections()
+        await self.http_pool.closeCachedConnections()
 
 
 def listen_now(endpoint: IStreamServerEndpoint, factory: Any) -> IListeningPort:
@@ -133,12 +174,28 @@ def describe(port: IListeningPort) -> str:
 
 
 class GatewayService(Service):
-    def __init__(self, config: Config, reactor: Any, listen: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        listen: str | None = None,
+        json_log: IO[str] | None = None,
+    ) -> None:
         self.config = config
         self.reactor = reactor
         self.listen = listen or config.server.listen
+        self.json_log = json_log
         self.gateway: Gateway | None = None
         self.port: IListeningPort | None = None
+
+    def setServiceParent(self, parent: Any) -> None:
+        # twistd asks the application for an ILogObserver before its own text logger, the way
+        # a .tac file sets one: that is how `log_format = "json"` reaches every log line.
+        if self.json_log is not None and hasattr(parent, "setComponent"):
+            parent.setComponent(
+                ILogObserver, jsonFileLogObserver(self.json_log, recordSeparator="")
+            )
+        super().setServiceParent(parent)
 
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
@@ -151,14 +208,25 @@ class GatewayService(Service):
             ) from None
         log.info("homelab-gateway listening on {address}", address=describe(self.port))
 
-    def stopService(self) -> Deferred[Any]:
+    def startService(self) -> None:
+        super().startService()
+        assert self.gateway is not None
+        self.gateway.start()
+
+    def stopService(self) -> Deferred[None]:
         super().stopService()
-        waits: list[Deferred[Any]] = []
+        return ensureDeferred(self._stop())
+
+    async def _stop(self) -> None:
         if self.port is not None:
-            waits.append(maybeDeferred(self.port.stopListening))
+            await maybeDeferred(self.port.stopListening)
         if self.gateway is not None:
-            waits.append(self.gateway.close())
-        return DeferredList(waits)
+            log.info(
+                "homelab-gateway draining: {n} requests in flight", n=len(self.gateway.inflight)
+            )
+            await self.gateway.drain()
+            await self.gateway.close()
+        log.info("homelab-gateway stopped")
 
 
 class DemoService(MultiService):
@@ -187,3 +255,10 @@ class DemoService(MultiService):
         for port in self.stub_ports:
             port.stopListening()
         return d
+
+
+def json_log_stream(twistd_logfile: str | None) -> IO[str]:
+    """Where JSON lines go: twistd's --logfile if one was given, else standard output."""
+    if twistd_logfile and twistd_logfile != "-":
+        return open(twistd_logfile, "a", buffering=1)
+    return sys.stdout

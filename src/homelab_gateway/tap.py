@@ -43,7 +43,7 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from homelab_gateway.service import DemoService, GatewayService
+    from homelab_gateway.service import DemoService, GatewayService, json_log_stream
 
     if options["demo"]:
         from homelab_gateway.demo import demo_setup
@@ -53,5 +53,9 @@ def makeService(options: Options) -> IService:
         config = load_config(options["config"])
     except ConfigError as e:
         raise SystemExit(f"homelab-gateway: config error: {e}") from None
-    service: Any = GatewayService(config, reactor, options["listen"])
+    json_log = None
+    if config.server.log_format == "json":
+        twistd_options = getattr(options, "parent", None) or {}
+        json_log = json_log_stream(twistd_options.get("logfile"))
+    service: Any = GatewayService(config, reactor, options["listen"], json_log=json_log)
     return service

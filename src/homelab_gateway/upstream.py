@@ -18,13 +18,14 @@ from typing import Any
 from treq.client import HTTPClient
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import FileBodyProducer, ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IRequest, IResponse
+from zope.interface import implementer
 
 from homelab_gateway.errors import GatewayError
 
@@ -159,27 +160,60 @@ class Upstream:
         return b"".join(parts)
 
 
+@implementer(IPushProducer)
 class Backpressure:
-    """Links an upstream body's transport to the client's response as its producer.
+    """Stands between an upstream body's transport and the client's response as its producer.
 
-    The client's send buffer filling pauses the upstream socket; draining resumes it. After a
-    client disconnect twisted.web has detached the request's channel: there is then nothing to
-    register with or unregister from.
+    The client's send buffer filling pauses the upstream socket and draining resumes it, so a
+    slow reader costs the gateway no memory. A reader that stays paused for `stall_timeout`
+    would pin its slot forever: it is cut off, which cancels the upstream like a disconnect.
+    After a client disconnect twisted.web has detached the request's channel: there is then
+    nothing to register with or unregister from.
     """
 
-    def __init__(self, request: IRequest) -> None:
+    def __init__(self, request: IRequest, clock: IReactorTime, stall_timeout: float) -> None:
         self._request = request
-        self._registered = False
+        self._clock = clock
+        self._stall_timeout = stall_timeout
+        self._producer: IPushProducer | None = None
+        self._stall: IDelayedCall | None = None
 
     def __call__(self, producer: IPushProducer) -> None:
         if self._request.channel is not None:
-            self._request.registerProducer(producer, True)
-            self._registered = True
+            self._producer = producer
+            self._request.registerProducer(self, True)
+
+    def pauseProducing(self) -> None:
+        if self._producer is not None:
+            self._producer.pauseProducing()
+        if self._stall is None:
+            self._stall = self._clock.callLater(self._stall_timeout, self._stalled)
+
+    def resumeProducing(self) -> None:
+        self._cancel_stall()
+        if self._producer is not None:
+            self._producer.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self._cancel_stall()
+        if self._producer is not None:
+            self._producer.stopProducing()
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self._request.channel is not None:
+            self._request.channel.transport.abortConnection()
+
+    def _cancel_stall(self) -> None:
+        if self._stall is not None and self._stall.active():
+            self._stall.cancel()
+        self._stall = None
 
     def release(self) -> None:
-        if self._registered and self._request.channel is not None:
+        self._cancel_stall()
+        if self._producer is not None and self._request.channel is not None:
             self._request.unregisterProducer()
-        self._registered = False
+        self._producer = None
 
 
 def _wraps_cancel(e: BaseException) -> bool:

@@ -1,33 +1,35 @@
-"""The gateway's URL space as Klein routes: health, the /llm surface, then proxy routes.
+"""The gateway's URL space as Klein routes: health and metrics, the /llm surface, proxy routes.
 
-Handlers here only pick what to run; the work lives in `llm.Messages` and `proxy.ReverseProxy`.
+Handlers only choose what runs. `_work` is the one door for requests that reach an upstream
+(access checks, a RequestRecord, InFlight); `_light` guards the informational endpoints.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from klein import Klein
-from twisted.internet.defer import Deferred
+from prometheus_client.twisted import MetricsResource
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 
+from homelab_gateway.access import AccessPolicy
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import GatewayError
-from homelab_gateway.llm import (
-    Messages,
-    Pool,
-    new_request_id,
-    run_cancellable,
-    send_error,
-    send_json,
-)
+from homelab_gateway.inflight import InFlight
+from homelab_gateway.llm import Messages
+from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ReverseProxy
+from homelab_gateway.readiness import Readiness
+from homelab_gateway.respond import new_request_id, send_error, send_json
+from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
+
+Work = Callable[[RequestRecord], Coroutine[Any, Any, Any]]
 
 
 class GatewayApp:
@@ -39,44 +41,89 @@ class GatewayApp:
         models: Mapping[str, ModelConfig],
         pools: Mapping[str, Pool],
         proxy: ReverseProxy,
+        messages: Messages,
+        access: AccessPolicy,
+        inflight: InFlight,
+        telemetry: Telemetry,
+        readiness: Readiness,
         clock: IReactorTime,
-        ping_interval: float,
-        max_body_bytes: int,
     ) -> None:
         self.models = models
         self.pools = pools
         self.proxy = proxy
+        self.messages = messages
+        self.access = access
+        self.inflight = inflight
+        self.telemetry = telemetry
+        self.readiness = readiness
         self.clock = clock
-        self.messages = Messages(
-            models=models,
-            pools=pools,
-            clock=clock,
-            ping_interval=ping_interval,
-            max_body_bytes=max_body_bytes,
-        )
+        self.metrics_resource = MetricsResource(telemetry.registry)
+
+    def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
+        request_id = new_request_id()
+        request.setHeader(b"request-id", request_id.encode())
+        self.access.add_cors_headers(request)
+        if self.access.cors_origins and self.access.is_preflight(request):
+            return self.access.preflight(request)
+        record = self.telemetry.start(request_id, surface, request.method, request.path)
+        refusal = self.access.refusal(request, protected=True, draining=self.inflight.draining)
+        if refusal is not None:
+            record.outcome, record.status = refusal.outcome, refusal.status
+            self.telemetry.finish(record)
+            return send_error(request, refusal, anthropic=anthropic)
+        return self.inflight.run(request, record, work(record))
+
+    def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
+        """CORS and, where `protected`, the API key for a read-only endpoint; an answer if the
+        request stops here."""
+        self.access.add_cors_headers(request)
+        if self.access.is_preflight(request):
+            return self.access.preflight(request)
+        refusal = self.access.refusal(request, protected=protected, draining=False)
+        return None if refusal is None else send_error(request, refusal)
 
     @app.route("/healthz", methods=["GET", "HEAD"])
     def healthz(self, request: IRequest) -> bytes:
         return send_json(request, 200, {"status": "ok"})
 
+    @app.route("/readyz", methods=["GET", "HEAD"])
+    def readyz(self, request: IRequest) -> bytes:
+        ready, upstreams = self.readiness.report()
+        if self.inflight.draining:
+            return send_json(request, 503, {"status": "shutting down", "upstreams": upstreams})
+        return send_json(
+            request,
+            200 if ready else 503,
+            {"status": "ready" if ready else "not ready", "upstreams": upstreams},
+        )
+
+    @app.route("/metrics", methods=["GET", "OPTIONS"])
+    def metrics(self, request: IRequest) -> Any:
+        return self._light(request, protected=self.access.protect_metrics) or self.metrics_resource
+
     @app.route("/llm/v1/messages")
-    def messages_route(self, request: IRequest) -> Deferred[Any]:
-        return self.messages.render(request)
+    def messages_route(self, request: IRequest) -> Any:
+        return self._work(
+            request, "messages", lambda r: self.messages.answer(request, r), anthropic=True
+        )
 
     @app.route("/llm/v1/messages/count_tokens")
-    def count_tokens(self, request: IRequest) -> Deferred[Any]:
-        request.setHeader(b"request-id", new_request_id().encode())
-        return run_cancellable(request, self._count_tokens(request))
+    def count_tokens(self, request: IRequest) -> Any:
+        return self._work(
+            request, "count_tokens", lambda r: self._count_tokens(request, r), anthropic=True
+        )
 
-    async def _count_tokens(self, request: IRequest) -> bytes:
+    async def _count_tokens(self, request: IRequest, record: RequestRecord) -> bytes:
         if request.method != b"POST":
             return send_error(request, GatewayError(405, "use POST for /v1/messages/count_tokens"))
         try:
-            _, pool, mapped = self.messages.resolve(request, count_only=True)
+            pool, mapped = self.messages.resolve(request, record, count_only=True)
         except GatewayError as e:
+            record.outcome = e.outcome
             return send_error(request, e)
         count = await self._tokenize(pool, mapped.body)
-        return send_json(request, 200, {"input_tokens": count or mapped.estimated_input_tokens})
+        record.input_tokens = count or mapped.estimated_input_tokens
+        return send_json(request, 200, {"input_tokens": record.input_tokens})
 
     async def _tokenize(self, pool: Pool, body: Mapping[str, Any]) -> int | None:
         """vLLM's exact count from its /tokenize (beside /v1); None where there is none."""
@@ -105,8 +152,11 @@ class GatewayApp:
             return None
         return count if isinstance(count, int) and count >= 0 else None
 
-    @app.route("/llm/v1/models", methods=["GET"])
+    @app.route("/llm/v1/models", methods=["GET", "OPTIONS"])
     def list_models(self, request: IRequest) -> bytes:
+        stop = self._light(request, protected=True)
+        if stop is not None:
+            return stop
         data = [_model_entry(name) for name in self.models]
         return send_json(
             request,
@@ -120,14 +170,20 @@ class GatewayApp:
             },
         )
 
-    @app.route("/llm/v1/models/<path:name>", methods=["GET"])
+    @app.route("/llm/v1/models/<path:name>", methods=["GET", "OPTIONS"])
     def get_model(self, request: IRequest, name: str) -> bytes:
+        stop = self._light(request, protected=True)
+        if stop is not None:
+            return stop
         if name not in self.models:
             return send_error(request, GatewayError(404, f"model: {name!r} is not served here"))
         return send_json(request, 200, _model_entry(name))
 
-    @app.route("/llm/v1/status", methods=["GET"])
+    @app.route("/llm/v1/status", methods=["GET", "OPTIONS"])
     def status(self, request: IRequest) -> bytes:
+        stop = self._light(request, protected=self.access.protect_metrics)
+        if stop is not None:
+            return stop
         upstreams = {
             name: {
                 "slots": pool.slots.limit,
@@ -152,10 +208,15 @@ class GatewayApp:
                 request.setResponseCode(308)
                 request.setHeader(b"location", target)
                 return b""
-            return send_json(
-                request, 404, GatewayError(404, "no route for this path").openai_body()
-            )
-        return run_cancellable(request, self.proxy.forward(request, *matched))
+            return send_error(request, GatewayError(404, "no route for this path"), anthropic=False)
+        route, remainder = matched
+        credential = self.access.credential_header(request)
+        return self._work(
+            request,
+            "proxy",
+            lambda r: self.proxy.forward(request, r, route, remainder, credential),
+            anthropic=False,
+        )
 
 
 def _model_entry(name: str) -> dict[str, Any]:

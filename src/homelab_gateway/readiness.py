@@ -1,0 +1,72 @@
+"""Readiness: is every upstream answering? Probed in the background, so /readyz is instant.
+
+Each upstream's `GET {url}/models` is asked every `probe_interval` seconds (vLLM, Ollama and
+llama.cpp all serve it, and it costs no sequence slot). /readyz is 200 only while every
+upstream's latest probe succeeded, and that success is recent: a prober that stopped must not
+leave a stale "ready" behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.defer import ensureDeferred, gatherResults
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+
+from homelab_gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from homelab_gateway.llm import Pool
+
+
+@dataclass
+class Probe:
+    ok: bool = False
+    at: float | None = None  # when the latest probe ended
+    detail: str = "not probed yet"
+
+
+class Readiness:
+    def __init__(self, pools: Mapping[str, Pool], clock: IReactorTime, interval: float) -> None:
+        self.pools = pools
+        self.clock = clock
+        self.interval = interval
+        self.probes = {name: Probe() for name in pools}
+        self._loop = LoopingCall(self._probe_all)
+        self._loop.clock = clock
+
+    def start(self) -> None:
+        self._loop.start(self.interval, now=True)
+
+    def stop(self) -> None:
+        if self._loop.running:
+            self._loop.stop()
+
+    def _probe_all(self) -> Any:
+        return gatherResults([ensureDeferred(self._probe(n, p)) for n, p in self.pools.items()])
+
+    async def _probe(self, name: str, pool: Pool) -> None:
+        upstream = pool.upstream
+        probe = self.probes[name]
+        try:
+            response = await upstream.open("GET", upstream.url + "/models", {}, None)
+            await upstream.read_limited(response, 4096)
+        except GatewayError as e:
+            probe.ok, probe.detail = False, e.message
+        else:
+            probe.ok = response.code == 200
+            probe.detail = "ok" if probe.ok else f"GET /models answered {response.code}"
+        probe.at = self.clock.seconds()
+
+    def report(self) -> tuple[bool, dict[str, Any]]:
+        now = self.clock.seconds()
+        upstreams: dict[str, Any] = {}
+        for name, probe in self.probes.items():
+            fresh = probe.at is not None and now - probe.at <= 2 * self.interval
+            ok = probe.ok and fresh
+            detail = probe.detail if fresh or probe.at is None else "no recent probe"
+            upstreams[name] = {"ready": ok, "detail": "ok" if ok else detail}
+        return all(u["ready"] for u in upstreams.values()), upstreams

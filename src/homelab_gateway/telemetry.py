@@ -1,0 +1,164 @@
+"""What happened to each request: Prometheus metrics and one structured log event.
+
+Handlers fill one `RequestRecord` as the request moves (model, queue wait, first token, tokens,
+stop reason, outcome) and `Telemetry.finish` turns it into counters, histograms and a single
+`twisted.logger` event. The slot and queue gauges are read from the limiters when scraped, so
+no code has to keep a second count in step with them. Prompt and completion text never reach a
+record, nor does any key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+if TYPE_CHECKING:
+    from homelab_gateway.llm import Pool
+
+OUTCOMES = (
+    "completed",
+    "client_disconnected",
+    "upstream_error",
+    "rejected_queue_full",
+    "queue_timeout",
+    "bad_request",
+    "unauthorized",
+    "shutdown",
+)
+WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+
+request_log = Logger(namespace="homelab_gateway.requests")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    surface: str  # messages | count_tokens | proxy
+    started: float
+    method: str = ""
+    path: str = ""
+    model: str = ""
+    upstream: str = ""
+    stream: bool = False
+    queue_wait: float | None = None
+    first_token: float | None = None  # seconds from the upstream request to the first token
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    stop_reason: str | None = None
+    outcome: str | None = None  # None until known; "completed" if nothing else was said
+    status: int | None = None
+    upstream_cancelled: bool = False
+
+
+class _SlotCollector(Collector):
+    def __init__(self, pools: Mapping[str, Pool]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        slots = GaugeMetricFamily("homelab_gateway_slots", "Configured slots", labels=["upstream"])
+        in_use = GaugeMetricFamily(
+            "homelab_gateway_slots_in_use", "Slots held", labels=["upstream"]
+        )
+        waiting = GaugeMetricFamily(
+            "homelab_gateway_queue_waiting", "Requests waiting for a slot", labels=["upstream"]
+        )
+        for name, pool in self._pools.items():
+            slots.add_metric([name], pool.slots.limit)
+            in_use.add_metric([name], pool.slots.in_use)
+            waiting.add_metric([name], len(pool.slots.waiting))
+        return [slots, in_use, waiting]
+
+
+class Telemetry:
+    def __init__(self, clock: IReactorTime, pools: Mapping[str, Pool]) -> None:
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        self.registry.register(_SlotCollector(pools))
+        self.requests = Counter(
+            "homelab_gateway_requests",
+            "Finished requests",
+            ["upstream", "surface", "model", "outcome"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "homelab_gateway_queue_wait_seconds",
+            "Time spent waiting for a slot",
+            ["upstream"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_token = Histogram(
+            "homelab_gateway_time_to_first_token_seconds",
+            "From sending the upstream request to the first token",
+            ["upstream", "model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "homelab_gateway_output_tokens",
+            "Tokens generated",
+            ["upstream", "model"],
+            registry=self.registry,
+        )
+        self.cancellations = Counter(
+            "homelab_gateway_upstream_cancellations",
+            "Upstream requests the gateway cancelled (client gone, shutdown)",
+            ["upstream"],
+            registry=self.registry,
+        )
+
+    def start(self, request_id: str, surface: str, method: bytes, path: bytes) -> RequestRecord:
+        return RequestRecord(
+            request_id=request_id,
+            surface=surface,
+            started=self.clock.seconds(),
+            method=method.decode("latin-1"),
+            path=path.decode("latin-1"),
+        )
+
+    def finish(self, record: RequestRecord) -> None:
+        outcome = record.outcome or "completed"
+        self.requests.labels(record.upstream, record.surface, record.model, outcome).inc()
+        if record.queue_wait is not None and record.upstream:
+            self.queue_wait.labels(record.upstream).observe(record.queue_wait)
+        if record.first_token is not None:
+            self.first_token.labels(record.upstream, record.model).observe(record.first_token)
+        if record.output_tokens:
+            self.output_tokens.labels(record.upstream, record.model).inc(record.output_tokens)
+        if record.upstream_cancelled:
+            self.cancellations.labels(record.upstream).inc()
+        fields: dict[str, Any] = {
+            "request_id": record.request_id,
+            "surface": record.surface,
+            "method": record.method,
+            "path": record.path,
+            "model": record.model or None,
+            "upstream": record.upstream or None,
+            "stream": record.stream,
+            "queue_wait": _round(record.queue_wait),
+            "time_to_first_token": _round(record.first_token),
+            "duration": _round(self.clock.seconds() - record.started),
+            "input_tokens": record.input_tokens,
+            "output_tokens": record.output_tokens,
+            "stop_reason": record.stop_reason,
+            "outcome": outcome,
+            "status": record.status,
+        }
+        request_log.info(
+            "{request_id} {method} {path} {model} -> {status} {outcome} in {duration}s"
+            " (queue {queue_wait}s, first token {time_to_first_token}s,"
+            " tokens {input_tokens}/{output_tokens})",
+            **fields,
+        )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
