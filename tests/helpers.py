@@ -70,8 +70,9 @@ class Servers:
         port = self._listen(site)
         return f"http://127.0.0.1:{port}/v1", site.resource, log
 
-    def start_gateway(self, document: dict[str, Any]) -> str:
-        config: Config = parse_config(document, source="<test>", environ={"TEST_KEY": "sekrit"})
+    def start_gateway(self, document: dict[str, Any], environ: dict[str, str] | None = None) -> str:
+        environ = {"TEST_KEY": "sekrit", **(environ or {})}
+        config: Config = parse_config(document, source="<test>", environ=environ)
         self.gateway = Gateway(config, reactor)
         port = self._listen(self.gateway.site)
         self.gateway_url = f"http://127.0.0.1:{port}"
@@ -200,9 +201,18 @@ class RawResponse(Protocol):
 
 
 def raw_request(
-    port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    port: int,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    *,
+    length: bool = True,
 ) -> RawResponse:
-    """Open a connection and send one request, as curl would; returns the live response."""
+    """Open a connection and send one request, as curl would; returns the live response.
+
+    `length=False` sends the body as given with no Content-Length of ours (chunked, or a
+    header in `headers` that the body does not live up to)."""
     protocol = RawResponse()
     payload = (
         b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
@@ -215,7 +225,9 @@ def raw_request(
         "Connection: close",
     ]
     if body is not None:
-        lines += ["Content-Type: application/json", f"Content-Length: {len(payload)}"]
+        lines.append("Content-Type: application/json")
+        if length:
+            lines.append(f"Content-Length: {len(payload)}")
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 

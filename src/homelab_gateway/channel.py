@@ -15,7 +15,7 @@ from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.web.http import HTTPChannel
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,6 @@ class WireLimits:
 class GatewayChannel(HTTPChannel):
     limits: WireLimits
     _deadline: IDelayedCall | None = None
-    _body_bytes = 0
     _refused = False
 
     def dataReceived(self, data: bytes) -> None:
@@ -39,24 +38,14 @@ class GatewayChannel(HTTPChannel):
         super().dataReceived(data)
 
     def allHeadersReceived(self) -> None:
-        self._body_bytes = 0
         if self.length is not None and self.length > self.limits.max_body_bytes:
-            self._refuse(
-                413, "request_too_large", f"request body exceeds {self.limits.max_body_bytes} bytes"
-            )
+            self.refuse_body()
             return
         super().allHeadersReceived()
 
-    def handleContentChunk(self, data: bytes) -> None:
-        if self._refused:
-            return
-        self._body_bytes += len(data)
-        if self._body_bytes > self.limits.max_body_bytes:
-            self._refuse(
-                413, "request_too_large", f"request body exceeds {self.limits.max_body_bytes} bytes"
-            )
-            return
-        super().handleContentChunk(data)
+    def refuse_body(self) -> None:
+        limit = self.limits.max_body_bytes
+        self._refuse(413, "request_too_large", f"request body exceeds {limit} bytes")
 
     def allContentReceived(self) -> None:
         self._cancel_deadline()
@@ -99,10 +88,28 @@ class GatewayChannel(HTTPChannel):
         self.loseConnection()
 
 
+class GatewayRequest(Request):
+    """Counts the body as it arrives: a chunked body has no Content-Length to refuse early,
+    and its decoder hands data to the request, not the channel."""
+
+    channel: GatewayChannel
+    _body_bytes = 0
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.channel is None or self.channel._refused:
+            return
+        self._body_bytes += len(data)
+        if self._body_bytes > self.channel.limits.max_body_bytes:
+            self.channel.refuse_body()
+            return
+        super().handleContentChunk(data)
+
+
 class GatewaySite(Site):
     """A Site whose connections enforce `WireLimits` (and speak HTTP/1.1 only)."""
 
     protocol = GatewayChannel
+    requestFactory = GatewayRequest
 
     def __init__(self, resource: Any, limits: WireLimits, **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)

@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from twisted.internet.defer import ensureDeferred, gatherResults
-from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
+from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from homelab_gateway.errors import GatewayError
 
@@ -35,18 +34,34 @@ class Readiness:
         self.clock = clock
         self.interval = interval
         self.probes = {name: Probe() for name in pools}
-        self._loop = LoopingCall(self._probe_all)
-        self._loop.clock = clock
+        self._next: IDelayedCall | None = None
+        self._round: Deferred[Any] | None = None
+        self._stopped = False
 
     def start(self) -> None:
-        self._loop.start(self.interval, now=True)
+        self._stopped = False
+        self._next = self.clock.callLater(0, self._probe_all)
 
     def stop(self) -> None:
-        if self._loop.running:
-            self._loop.stop()
+        """Stop probing, cancelling a round in flight (its connections close with it)."""
+        self._stopped = True
+        if self._next is not None and self._next.active():
+            self._next.cancel()
+        self._next = None
+        if self._round is not None:
+            self._round.cancel()
 
-    def _probe_all(self) -> Any:
-        return gatherResults([ensureDeferred(self._probe(n, p)) for n, p in self.pools.items()])
+    def _probe_all(self) -> None:
+        self._next = None
+        probes = [ensureDeferred(self._probe(n, p)) for n, p in self.pools.items()]
+        self._round = gatherResults(probes, consumeErrors=True)
+        self._round.addErrback(lambda _: None)  # only a cancelled round (stop) fails
+        self._round.addCallback(self._round_done)
+
+    def _round_done(self, _: object) -> None:
+        self._round = None
+        if not self._stopped:
+            self._next = self.clock.callLater(self.interval, self._probe_all)
 
     async def _probe(self, name: str, pool: Pool) -> None:
         upstream = pool.upstream
