@@ -123,5 +123,7 @@ def start_gateway(cwd: Path, config: str, *options: str) -> tuple[Process, str]:
         ],
         cwd,
     )
-    url = process.wait_for_line(r"homelab-gateway listening on (http://\S+)").group(1)
+    # The listen line, in the text log format or the JSON one.
+    line = process.wait_for_line(r"homelab-gateway listening on").string
+    url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
     return process, url

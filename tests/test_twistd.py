@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -206,3 +210,131 @@ def test_stub_runs_as_a_module_and_lists_its_scenarios() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "reasoning-only" in result.stdout and "--hold" in result.stdout
+
+
+def read_sse_events(response: Any) -> list[str]:
+    return [line.decode().strip() for line in response if line.startswith(b"event:")]
+
+
+def test_sigterm_drains_in_flight_and_fails_the_queued(tmp_path: Path) -> None:
+    """A real twistd: SIGTERM lets the in-flight stream finish, fails the queued one with an
+    error frame, and exits cleanly; the stub saw exactly one request."""
+    stub, stub_url = start_stub(
+        tmp_path,
+        "--hold",
+        "1",
+        "--delay",
+        "0.05",
+        "--content-tokens",
+        "6",
+        "--reasoning-tokens",
+        "0",
+    )
+    try:
+        config = f"""
+[server]
+shutdown_grace = 20
+
+[upstreams.vllm]
+url = "{stub_url}"
+slots = 1
+
+[models.reasoning]
+upstream = "vllm"
+"""
+        gateway, url = start_gateway(tmp_path, config)
+        body = json.dumps(
+            {
+                "model": "reasoning",
+                "max_tokens": 16,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        ).encode()
+        results: dict[str, list[str]] = {}
+
+        def stream(name: str) -> None:
+            request = urllib.request.Request(
+                url + "/llm/v1/messages", data=body, headers={"content-type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=30) as response:
+                results[name] = read_sse_events(response)
+
+        running = threading.Thread(target=stream, args=("running",))
+        running.start()
+        wait_until(lambda: status(url)["in_use"] == 1)
+        queued = threading.Thread(target=stream, args=("queued",))
+        queued.start()
+        wait_until(lambda: status(url)["waiting"] == 1)
+        gateway.popen.send_signal(signal.SIGTERM)
+        running.join(30)
+        queued.join(30)
+        assert gateway.stopped_cleanly(), "".join(gateway.output)
+        assert results["running"][0] == "event: message_start"
+        assert results["running"][-1] == "event: message_stop"
+        assert results["queued"] == ["event: queue", "event: error"]
+        with urllib.request.urlopen(stub_url.removesuffix("/v1") + "/stub/status", timeout=5) as r:
+            assert json.load(r)["requests"] == 1
+    finally:
+        stub.stop()
+
+
+def status(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url + "/llm/v1/status", timeout=5) as response:
+        return json.load(response)["upstreams"]["vllm"]
+
+
+def wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_json_log_format_writes_one_json_object_per_line(tmp_path: Path) -> None:
+    stub, stub_url = start_stub(tmp_path)
+    try:
+        config = f"""
+[server]
+log_format = "json"
+
+[upstreams.vllm]
+url = "{stub_url}"
+slots = 1
+
+[models.reasoning]
+upstream = "vllm"
+"""
+        gateway, url = start_gateway(tmp_path, config)
+        post(
+            url + "/llm/v1/messages",
+            {
+                "model": "reasoning",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+        wait_until(
+            lambda: any('"homelab_gateway.requests"' in line for line in drain_lines(gateway))
+        )
+        assert gateway.stopped_cleanly()
+    finally:
+        stub.stop()
+    events = [json.loads(line) for line in gateway.output if line.strip()]
+    request = next(e for e in events if e.get("log_namespace") == "homelab_gateway.requests")
+    assert (
+        request["outcome"] == "completed"
+        and request["status"] == 200
+        and request["model"] == "reasoning"
+    )
+
+
+def drain_lines(process: Process) -> list[str]:
+    while True:
+        try:
+            line = process.lines.get_nowait()
+        except Exception:
+            return process.output
+        if line is None:
+            return process.output
+        process.output.append(line)

@@ -41,12 +41,15 @@ class InFlight:
         def client_left(_: object) -> None:
             if record.outcome is None:
                 record.outcome = "client_disconnected"
-            d.cancel()
+            d.cancel()  # unwinds the handler now, so the record is complete below
 
-        def finished(result: object) -> object:
-            del self._active[request]
+        def request_over(_: object) -> None:
+            # After Klein wrote a returned body (or the client left): the status is final.
             record.status = request.code if request.startedWriting else None
             self.telemetry.finish(record)
+
+        def work_done(result: object) -> object:
+            del self._active[request]
             if not self._active:
                 idle, self._idle = self._idle, []
                 for waiter in idle:
@@ -54,7 +57,8 @@ class InFlight:
             return result
 
         request.notifyFinish().addErrback(client_left)
-        return d.addBoth(finished)
+        request.notifyFinish().addBoth(request_over)
+        return d.addBoth(work_done)
 
     def idle(self) -> Deferred[None]:
         if not self._active:
