@@ -142,6 +142,19 @@ def test_bad_toml(tmp_path: Path) -> None:
             "routes[1].prefix: '/x/' is used by another route",
         ),
         ("routes = 3", "routes: must be an array of tables"),
+        ("[server]\nlog_format = 'xml'", "server.log_format: must be 'text' or 'json'"),
+        ("[server]\ncors_origins = 'https://a'", "server.cors_origins: must be an array"),
+        (
+            "[server]\ncors_origins = ['https://a.lan/path']",
+            "server.cors_origins: 'https://a.lan/path' is not an origin",
+        ),
+        ("[server]\nshutdown_grace = -1", "server.shutdown_grace: must be a positive number"),
+        ("[auth]\napi_keys_env = 'EMPTY'", "auth: no API keys found in EMPTY"),
+        (
+            "[auth]\napi_keys_file = '/nonexistent/keys'",
+            "auth.api_keys_file: cannot read /nonexistent/keys",
+        ),
+        ("[auth]\nkeys = ['a']", "auth.keys: unknown key"),
     ],
 )
 def test_every_mistake_names_the_key(tmp_path: Path, text: str, expected: str) -> None:
@@ -151,6 +164,14 @@ def test_every_mistake_names_the_key(tmp_path: Path, text: str, expected: str) -
 def test_quoted_model_names_are_quoted_in_errors() -> None:
     with pytest.raises(ConfigError, match=r'models\."qwen2\.5:3b"\.upstream'):
         parse_config({"models": {"qwen2.5:3b": {"upstream": "x"}}}, environ={})
+
+
+def test_api_keys_from_env_and_file_add_up(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# the frontend\nfile-key\n\n")
+    document = {"auth": {"api_keys_env": "K", "api_keys_file": str(keys), "protect_metrics": True}}
+    auth = parse_config(document, environ={"K": "env-a, env-b,"}).auth
+    assert auth.api_keys == {"env-a", "env-b", "file-key"} and auth.protect_metrics
 
 
 def test_empty_config_is_valid_and_listens_on_loopback() -> None:
