@@ -5,13 +5,20 @@ Chunks are shaped like real vLLM/Ollama/llama.cpp output (see shared/anthropic-w
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from homelab_gateway.translator import IncompleteMessage, MessageBuilder, Phase, StreamTranslator
+from homelab_gateway.translator import (
+    IncompleteMessage,
+    MessageBuilder,
+    Phase,
+    StreamTranslator,
+    UpstreamDecoder,
+)
 from tests.grammar import check_stream
 
 
@@ -504,3 +511,46 @@ def test_any_chunk_sequence_yields_a_grammatical_stream(
         events += t.fail("api_error", "closed before [DONE]")  # what the gateway does at EOF
     outcome = check_stream(events)
     assert kinds(events).count("message_stop") == (1 if outcome == "complete" else 0)
+
+
+# Raw upstream bytes, split anywhere, through the same decoder the gateway runs.
+def frame(document: Any) -> bytes:
+    return (
+        b"data: "
+        + (document if isinstance(document, bytes) else json.dumps(document).encode())
+        + b"\n\n"
+    )
+
+
+upstream_frames = st.one_of(
+    chunks.map(frame),
+    st.just(b"data: [DONE]\n\n"),
+    st.just(b": keep-alive comment\n\n"),
+    st.just(b'event: message\ndata: {"choices": []}\n\n'),
+    st.binary(max_size=40),  # garbage
+    st.just(b"data: {not json\n\n"),
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(upstream_frames, max_size=20), st.sampled_from([b"\n", b"\r\n"]), st.data())
+def test_raw_upstream_bytes_split_anywhere_give_a_grammatical_stream(
+    frames: list[bytes], newline: bytes, data: st.DataObject
+) -> None:
+    stream = b"".join(frames).replace(b"\n", newline)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12)))
+    decoder = UpstreamDecoder(StreamTranslator(model="m", input_tokens=3))
+    events: list[dict[str, Any]] = []
+    for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        events += decoder.feed(stream[a:b])
+    events += decoder.eof("stub")
+    if not events:
+        return  # nothing at all: the gateway answers an HTTP error before any frame
+    assert check_stream(events) in ("complete", "error")
+
+
+def test_the_decoder_stops_at_done_and_ignores_what_follows() -> None:
+    decoder = UpstreamDecoder(StreamTranslator(model="m", input_tokens=3))
+    body = b"".join(frame(c) for c in THINK_THEN_TEXT) + b'data: [DONE]\n\ndata: {"late": 1}\n\n'
+    events = decoder.feed(body) + decoder.eof("stub")
+    assert check_stream(events) == "complete"

@@ -22,7 +22,7 @@ from homelab_gateway.errors import GatewayError, upstream_http_error
 from homelab_gateway.mapping import InvalidRequest, MappedRequest, map_request, request_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.respond import send_error, send_json
-from homelab_gateway.sse import SSEParser, encode_event
+from homelab_gateway.sse import encode_event
 from homelab_gateway.telemetry import RequestRecord
 from homelab_gateway.translator import (
     Event,
@@ -30,6 +30,7 @@ from homelab_gateway.translator import (
     MessageBuilder,
     Phase,
     StreamTranslator,
+    UpstreamDecoder,
     error_event,
 )
 from homelab_gateway.upstream import Backpressure, UpstreamBroken
@@ -245,7 +246,7 @@ class Messages:
             input_tokens=mapped.estimated_input_tokens,
             stop_sequences=mapped.stop_sequences,
         )
-        parser = SSEParser()
+        decoder = UpstreamDecoder(translator)
         emitted = False
 
         def deliver(events: list[Event]) -> None:
@@ -264,18 +265,9 @@ class Messages:
             emit(events)
 
         def on_data(data: bytes) -> None:
-            for sse in parser.feed(data):
-                if sse.data == "[DONE]":
-                    deliver(translator.end())
-                    continue
-                try:
-                    chunk = json.loads(sse.data)
-                except ValueError:
-                    deliver(translator.fail("api_error", "upstream sent a line that is not JSON"))
-                else:
-                    deliver(translator.feed(chunk))
-                if translator.phase is Phase.FAILED:
-                    raise _TranslationOver()
+            deliver(decoder.feed(data))
+            if translator.phase is Phase.FAILED:
+                raise _TranslationOver()
 
         backpressure = (
             Backpressure(request, self.clock, self.write_stall_timeout)
@@ -297,10 +289,6 @@ class Messages:
             record.input_tokens = translator.input_tokens
             record.output_tokens = translator.final_output_tokens
             record.stop_reason = translator.stop_reason
-        deliver(
-            translator.fail(
-                "api_error", f"upstream {upstream.name} closed the stream before [DONE]"
-            )
-        )
+        deliver(decoder.eof(upstream.name))
         if translator.phase is Phase.FAILED:
             record.outcome = record.outcome or "upstream_error"

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from homelab_gateway.sse import SSEParser
+
 Event = dict[str, Any]
 
 _STOP_REASONS = {
@@ -358,3 +360,37 @@ class MessageBuilder:
                 "api_error", "upstream stream ended before the message was complete"
             )
         return self._message
+
+
+class UpstreamDecoder:
+    """The whole upstream side, sans-IO: body bytes in, Anthropic events out.
+
+    SSE framing, `[DONE]`, JSON decoding and translation in one object, so the gateway's I/O
+    layer only moves bytes, and the grammar can be fuzzed on raw bytes split anywhere.
+    """
+
+    def __init__(self, translator: StreamTranslator) -> None:
+        self.translator = translator
+        self._parser = SSEParser()
+
+    def feed(self, data: bytes) -> list[Event]:
+        events: list[Event] = []
+        for sse in self._parser.feed(data):
+            if self.translator.terminated:
+                break
+            if sse.data == "[DONE]":
+                events += self.translator.end()
+                continue
+            try:
+                chunk = json.loads(sse.data)
+            except ValueError:
+                events += self.translator.fail("api_error", "upstream sent a line that is not JSON")
+            else:
+                events += self.translator.feed(chunk)
+        return events
+
+    def eof(self, upstream: str) -> list[Event]:
+        """The body ended: anything short of `[DONE]` is a failure, never a quiet success."""
+        return self.translator.fail(
+            "api_error", f"upstream {upstream} closed the stream before [DONE]"
+        )
