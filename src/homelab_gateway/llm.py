@@ -101,6 +101,11 @@ class EventStream:
         self._timer = None
 
 
+def _no_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON; Python accepts them, and would send them upstream."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 class _TranslationOver(Exception):
     """The translator has said its last word; stop reading the upstream."""
 
@@ -128,7 +133,7 @@ class Messages:
     ) -> tuple[Pool, MappedRequest]:
         """Parse and map the request body; the channel has already bounded its size."""
         try:
-            body = json.loads(request.content.read())
+            body = json.loads(request.content.read(), parse_constant=_no_constant)
             name = request_model(body)
             record.model = name
             model = self.models.get(name)
