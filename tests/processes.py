@@ -106,11 +106,15 @@ def start_stub(cwd: Path, *options: str) -> tuple[Process, str]:
     return process, f"http://127.0.0.1:{port}/v1"
 
 
-def start_gateway(cwd: Path, config: str, *options: str) -> tuple[Process, str]:
+def start_gateway(
+    cwd: Path, config: str, *options: str, prefix: tuple[str, ...] = ()
+) -> tuple[Process, str]:
+    """`prefix` runs twistd under another command (e.g. a profiler)."""
     path = cwd / "gateway.toml"
     path.write_text(config)
     process = Process(
         [
+            *prefix,
             TWISTD,
             "--nodaemon",
             "--pidfile=",
@@ -125,5 +129,6 @@ def start_gateway(cwd: Path, config: str, *options: str) -> tuple[Process, str]:
     )
     # The listen line, in the text log format or the JSON one.
     line = process.wait_for_line(r"homelab-gateway listening on").string
-    url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
-    return process, url
+    match = re.search(r"http://127\.0\.0\.1:\d+", line)
+    assert match is not None, line
+    return process, match.group(0)

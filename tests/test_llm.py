@@ -7,9 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.channel import WireLimits
+from homelab_gateway.upstream import UpstreamPool
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 from tests.test_proxy import async_test
@@ -317,4 +320,79 @@ class Catalogue(LLMSurface):
         self.assertEqual(
             json.loads(response.body_text()),
             {"upstreams": {"vllm": {"slots": 2, "in_use": 0, "waiting": 0}}},
+        )
+
+
+CANNED_SSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    + b"".join(
+        b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        for chunk in (
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        )
+    )
+    + b"data: [DONE]\n\n"
+)
+
+
+class ClosesConnections(Protocol):
+    """Closes the first `factory.closing` connections cleanly without a word, as a server
+    closing an idle keep-alive connection does; answers the rest."""
+
+    def dataReceived(self, data: bytes) -> None:
+        self.factory.connections += 1
+        if self.factory.connections <= self.factory.closing:
+            self.transport.loseConnection()
+        else:
+            self.transport.write(CANNED_SSE)
+            self.transport.loseConnection()
+        self.dataReceived = lambda data: None  # type: ignore[method-assign]
+
+
+class StaleConnections(TestCase):
+    def start(self, closing: int) -> Any:
+        self.servers = Servers(self)
+        factory = Factory.forProtocol(ClosesConnections)
+        factory.connections, factory.closing = 0, closing
+        port = self.servers._listen(factory)
+        self.servers.start_gateway(gateway_document(f"http://127.0.0.1:{port}/v1"))
+        return factory
+
+    @async_test
+    async def test_a_connection_closed_before_answering_is_retried_once(self) -> None:
+        factory = self.start(closing=1)
+        response = raw_request(self.servers.gateway_port, "POST", "/llm/v1/messages", chat())
+        await response.closed
+        self.assertEqual(response.status, 200)
+        self.assertEqual(
+            check_stream([d for _, d in response.frames()], allow_queue=False), "complete"
+        )
+        self.assertEqual(factory.connections, 2)
+
+    @async_test
+    async def test_but_only_once(self) -> None:
+        factory = self.start(closing=10)
+        response = raw_request(self.servers.gateway_port, "POST", "/llm/v1/messages", chat())
+        await response.closed
+        self.assertEqual(response.status, 502)
+        self.assertEqual(factory.connections, 2)
+
+
+class PoolNeverCachesAClosingConnection(TestCase):
+    def test_put_connection(self) -> None:
+        pool = UpstreamPool(MemoryReactorClock(), persistent=True)
+
+        class Connection:
+            def __init__(self, disconnecting: bool) -> None:
+                self.transport = type("T", (), {"disconnecting": disconnecting})()
+                self.state = "QUIESCENT"
+
+        pool._putConnection("key", Connection(disconnecting=True))
+        self.assertEqual(pool._connections.get("key", []), [])
+        pool._putConnection("key", Connection(disconnecting=False))
+        self.assertEqual(len(pool._connections["key"]), 1)
+        self.assertLess(
+            UpstreamPool.cachedConnectionTimeout, 5, "must be under uvicorn's keep-alive"
         )

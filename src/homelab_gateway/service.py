@@ -19,7 +19,7 @@ from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort, IStreamServerEndpoint
 from twisted.logger import ILogObserver, Logger, jsonFileLogObserver
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.channel import GatewaySite, WireLimits
@@ -32,7 +32,7 @@ from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.readiness import Readiness
 from homelab_gateway.telemetry import Telemetry
-from homelab_gateway.upstream import RawHTTP, Upstream, llm_http
+from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
 
 log = Logger()
@@ -43,7 +43,7 @@ class Gateway:
         self.config = config
         self.reactor = reactor
         server = config.server
-        self.http_pool = HTTPConnectionPool(reactor, persistent=True)
+        self.http_pool = UpstreamPool(reactor, persistent=True)
         self.http_pool.maxPersistentPerHost = max(
             [16, *(u.slots for u in config.upstreams.values())]
         )

@@ -18,10 +18,19 @@ from typing import Any
 from treq.client import HTTPClient
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web.client import FileBodyProducer, ResponseDone, ResponseFailed
+from twisted.web.client import (
+    FileBodyProducer,
+    HTTPConnectionPool,
+    RequestNotSent,
+    RequestTransmissionFailed,
+    ResponseDone,
+    ResponseFailed,
+    ResponseNeverReceived,
+)
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IRequest, IResponse
@@ -100,31 +109,40 @@ class Upstream:
         """
         if self.api_key is not None:
             headers[b"authorization"] = [b"Bearer " + self.api_key.encode()]
-        d = self.http.request(
-            method, url, headers=headers, data=body, unbuffered=True, allow_redirects=False
-        )
         timed_out = False
+        pending: Deferred[IResponse] | None = None
 
         def give_up() -> None:
             nonlocal timed_out
             timed_out = True
-            d.cancel()
+            if pending is not None:
+                pending.cancel()
 
         timer = self.clock.callLater(self.connect_timeout, give_up)
         try:
-            return await d
-        except Exception as e:
-            # Agent reports its own cancellation as ResponseNeverReceived([CancelledError]):
-            # ours (the timer) becomes a 504, the caller's (the client left) a CancelledError.
-            if timed_out:
-                raise GatewayError(
-                    504,
-                    f"upstream {self.name} sent no response headers within "
-                    f"{self.connect_timeout:g}s",
-                ) from None
-            if isinstance(e, CancelledError) or _wraps_cancel(e):
-                raise CancelledError() from None
-            raise GatewayError(502, f"upstream {self.name} unreachable: {_reason(e)}") from None
+            for attempt in (1, 2):
+                pending = self.http.request(
+                    method, url, headers=headers, data=body, unbuffered=True, allow_redirects=False
+                )
+                try:
+                    return await pending
+                except Exception as e:
+                    # Agent reports a cancel as ResponseNeverReceived([CancelledError]): ours
+                    # (the timer) becomes a 504, the caller's (the client left) CancelledError.
+                    if timed_out:
+                        raise GatewayError(
+                            504,
+                            f"upstream {self.name} sent no response headers within "
+                            f"{self.connect_timeout:g}s",
+                        ) from None
+                    if isinstance(e, CancelledError) or _wraps(e, CancelledError):
+                        raise CancelledError() from None
+                    if attempt == 1 and _closed_before_answering(e):
+                        continue  # a pooled connection the upstream had just closed: once more
+                    raise GatewayError(
+                        502, f"upstream {self.name} unreachable: {_reason(e)}"
+                    ) from None
+            raise AssertionError("unreachable")
         finally:
             if timer.active():
                 timer.cancel()
@@ -216,9 +234,36 @@ class Backpressure:
         self._producer = None
 
 
-def _wraps_cancel(e: BaseException) -> bool:
+def _wraps(e: BaseException, *kinds: type[BaseException]) -> bool:
     reasons = getattr(e, "reasons", None) or []
-    return any(isinstance(r, Failure) and r.check(CancelledError) for r in reasons)
+    return any(isinstance(r, Failure) and r.check(*kinds) for r in reasons)
+
+
+def _closed_before_answering(e: BaseException) -> bool:
+    """The connection closed cleanly before any response byte: the upstream never took the
+    request (an idle keep-alive connection it closed as we reused it), so sending it again on a
+    new connection cannot run it twice. vLLM's server closes idle connections after 5 s."""
+    return isinstance(e, RequestNotSent | RequestTransmissionFailed | ResponseNeverReceived) and (
+        isinstance(e, RequestNotSent) or _wraps(e, ConnectionDone, ConnectionLost)
+    )
+
+
+class UpstreamPool(HTTPConnectionPool):
+    """Persistent upstream connections, minus two ways Twisted's pool hands out a dead one.
+
+    A response can finish in the same read in which we asked its connection to close (the
+    translator gave up on a stream whose `[DONE]` came in that read); Twisted would cache that
+    closing connection. And an idle connection is kept 240 s by default, while uvicorn (vLLM)
+    closes its side after 5 s.
+    """
+
+    cachedConnectionTimeout = 4
+
+    def _putConnection(self, key: Any, connection: Any) -> None:
+        transport = connection.transport
+        if transport is None or getattr(transport, "disconnecting", False):
+            return  # already closing: its connectionLost takes it out of every list
+        super()._putConnection(key, connection)
 
 
 def _reason(e: BaseException) -> str:

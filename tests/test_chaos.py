@@ -1,0 +1,16 @@
+"""A small chaos run in the normal suite (bench/chaos.py runs the 2,000-request one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.chaos import run
+
+
+def test_a_few_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:
+    report = run(n=300, concurrency=40, seed=7, workdir=tmp_path)
+    assert report["problems"] == [], report["problems"][:10]
+    assert report["unhandled_errors"] == 0
+    assert report["after"]["slots_in_use"] == 0 and report["after"]["waiting"] == 0
+    assert report["after"]["stub_in_flight"] == 0 and report["after"]["healthz"] == 200
+    assert report["ok"]
