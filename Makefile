@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install
+.PHONY: demo test install bench chaos
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ demo: install
 	$(BIN)/twistd --nodaemon --pidfile= homelab-gateway --demo
 
 test: install
-	$(BIN)/ruff check src tests twisted
-	$(BIN)/ruff format --check src tests twisted
+	$(BIN)/ruff check src tests twisted bench
+	$(BIN)/ruff format --check src tests twisted bench
 	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python -m bench
+
+chaos: install
+	$(BIN)/python -m bench.chaos

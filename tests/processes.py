@@ -107,26 +107,23 @@ def start_stub(cwd: Path, *options: str) -> tuple[Process, str]:
 
 
 def start_gateway(
-    cwd: Path, config: str, *options: str, prefix: tuple[str, ...] = ()
+    cwd: Path, config: str, *options: str, env: dict[str, str] | None = None
 ) -> tuple[Process, str]:
-    """`prefix` runs twistd under another command (e.g. a profiler)."""
+    """`env` adds to the clean environment (e.g. HOMELAB_GATEWAY_PROFILE)."""
     path = cwd / "gateway.toml"
     path.write_text(config)
-    process = Process(
-        [
-            *prefix,
-            TWISTD,
-            "--nodaemon",
-            "--pidfile=",
-            "homelab-gateway",
-            "--config",
-            str(path),
-            "--listen",
-            "tcp:0:interface=127.0.0.1",
-            *options,
-        ],
-        cwd,
-    )
+    args = [
+        TWISTD,
+        "--nodaemon",
+        "--pidfile=",
+        "homelab-gateway",
+        "--config",
+        str(path),
+        "--listen",
+        "tcp:0:interface=127.0.0.1",
+        *options,
+    ]
+    process = Process(args, cwd, {**clean_env(), **(env or {})})
     # The listen line, in the text log format or the JSON one.
     line = process.wait_for_line(r"homelab-gateway listening on").string
     match = re.search(r"http://127\.0\.0\.1:\d+", line)

@@ -105,3 +105,10 @@ def test_garbage_never_raises_and_splitting_changes_nothing(
 ) -> None:
     cut = data.draw(st.integers(0, len(blob)))
     assert parse_all([blob[:cut], blob[cut:]]) == parse_all([blob])
+
+
+def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
+    from homelab_gateway.llm import QUEUE_FRAME
+
+    for position in (1, 7, 12345):
+        assert QUEUE_FRAME % position == encode_event({"type": "queue", "position": position})

@@ -30,6 +30,14 @@ class GatewayChannel(HTTPChannel):
     _deadline: IDelayedCall | None = None
     _refused = False
 
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        # SSE is many small writes: with Nagle, each could wait for the ACK of the one before
+        # (up to 40 ms with delayed ACKs on a real network). Loopback benchmarks cannot show it.
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
+
     def dataReceived(self, data: bytes) -> None:
         if self._refused:
             return

@@ -35,7 +35,10 @@ from homelab_gateway.translator import (
 )
 from homelab_gateway.upstream import Backpressure, UpstreamBroken
 
-PING: Event = {"type": "ping"}
+PING_FRAME = encode_event({"type": "ping"})
+# Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
+# it to exactly what encode_event writes for {"type": "queue", "position": n}.
+QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
 
 
 def shutdown_error() -> GatewayError:
@@ -58,12 +61,23 @@ class EventStream:
         self.ping_interval = ping_interval
         self.started = False
         self.gone = False
-        self._keepalive: Event | None = None
+        self._keepalive: bytes | None = None
         self._timer: IDelayedCall | None = None
         request.notifyFinish().addErrback(self._client_left)
 
     def send(self, events: list[Event]) -> None:
-        if self.gone or not events:
+        if not events:
+            return
+        if self._keepalive is not PING_FRAME and any(e["type"] == "message_start" for e in events):
+            self._keepalive = PING_FRAME
+        self._write(b"".join(map(encode_event, events)))
+
+    def queue_position(self, position: int) -> None:
+        self._keepalive = QUEUE_FRAME % position
+        self._write(self._keepalive)
+
+    def _write(self, frames: bytes) -> None:
+        if self.gone:
             return
         if not self.started:
             self.started = True
@@ -71,16 +85,7 @@ class EventStream:
             self.request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
             self.request.setHeader(b"cache-control", b"no-cache")
             self.request.setHeader(b"x-accel-buffering", b"no")  # nginx: do not buffer SSE
-        if any(event["type"] == "message_start" for event in events):
-            self._keepalive = PING
-        self.request.write(b"".join(encode_event(event) for event in events))
-        self._rearm()
-
-    def queue_position(self, position: int) -> None:
-        self._keepalive = {"type": "queue", "position": position}
-        self.send([self._keepalive])
-
-    def _rearm(self) -> None:
+        self.request.write(frames)
         if self._timer is not None and self._timer.active():
             self._timer.reset(self.ping_interval)
         elif self._keepalive is not None:
@@ -89,7 +94,7 @@ class EventStream:
     def _keep_alive(self) -> None:
         self._timer = None
         if self._keepalive is not None:
-            self.send([self._keepalive])
+            self._write(self._keepalive)
 
     def _client_left(self, _: object) -> None:
         self.gone = True

@@ -9,6 +9,8 @@ queued ones failed, in-flight ones given `shutdown_grace` seconds, then cancelle
 
 from __future__ import annotations
 
+import cProfile
+import os
 import sys
 from typing import IO, Any
 
@@ -36,6 +38,7 @@ from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
 
 log = Logger()
+PROFILE_ENV = "HOMELAB_GATEWAY_PROFILE"  # a path: profile the reactor thread, write stats on stop
 
 
 class Gateway:
@@ -187,6 +190,7 @@ class GatewayService(Service):
         self.json_log = json_log
         self.gateway: Gateway | None = None
         self.port: IListeningPort | None = None
+        self._profiler: cProfile.Profile | None = None
 
     def setServiceParent(self, parent: Any) -> None:
         # twistd asks the application for an ILogObserver before its own text logger, the way
@@ -212,6 +216,9 @@ class GatewayService(Service):
         super().startService()
         assert self.gateway is not None
         self.gateway.start()
+        if os.environ.get(PROFILE_ENV):
+            self._profiler = cProfile.Profile()
+            self._profiler.enable()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
@@ -226,6 +233,10 @@ class GatewayService(Service):
             )
             await self.gateway.drain()
             await self.gateway.close()
+        if self._profiler is not None:
+            # Written here, not at exit: twistd re-raises SIGTERM, which ends the process.
+            self._profiler.disable()
+            self._profiler.dump_stats(os.environ[PROFILE_ENV])
         log.info("homelab-gateway stopped")
 
 

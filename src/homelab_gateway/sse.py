@@ -43,6 +43,11 @@ class SSEParser:
                 chunk = chunk[1:]  # the LF of a CRLF that was split across two reads
         if not chunk:
             return []
+        if not self._partial and chunk[-1:] == b"\n" and b"\r" not in chunk:
+            # The common read: whole LF-terminated lines (vLLM, Ollama, llama.cpp send these).
+            lines = chunk.split(b"\n")
+            lines.pop()
+            return [event for event in map(self._line, lines) if event is not None]
         self._after_cr = chunk.endswith(b"\r")
         lines = (self._partial + chunk).splitlines(keepends=True)
         if lines and not lines[-1].endswith((b"\n", b"\r")):

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TextIO
 
 from twisted.application.internet import StreamServerEndpointService
@@ -81,11 +82,9 @@ class StubLog:
     def write(self, event: str, request_id: str, **fields: Any) -> None:
         if self._stream is None:
             return
-        extra = "".join(f" {k}={v}" for k, v in fields.items())
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        self._stream.write(
-            f"{stamp}.{int(time.time() * 1000) % 1000:03d} {event} id={request_id}{extra}\n"
-        )
+        extra = "".join(f" {k}={v}" for k, v in fields.items() if v is not None)
+        stamp = datetime.now().isoformat(timespec="milliseconds")
+        self._stream.write(f"{stamp} {event} id={request_id}{extra}\n")
         self._stream.flush()
 
 
@@ -471,6 +470,7 @@ class StubResource(Resource):
             model=model,
             stream=bool(body.get("stream")),
             scenario=generation.scenario,
+            user=body.get("user"),
         )
         refusal = {
             "error500": (500, "stub: internal error before the stream"),

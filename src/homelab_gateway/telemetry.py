@@ -152,12 +152,15 @@ class Telemetry:
             "outcome": outcome,
             "status": record.status,
         }
-        request_log.info(
-            "{request_id} {method} {path} {model} -> {status} {outcome} in {duration}s"
-            " (queue {queue_wait}s, first token {time_to_first_token}s,"
-            " tokens {input_tokens}/{output_tokens})",
-            **fields,
+        # Rendered here with an f-string: twisted.logger's own formatting of a dozen named fields
+        # costs more than the rest of a short request. Every field still travels with the event.
+        summary = (
+            f"{record.request_id} {record.method} {record.path} {record.model or '-'} -> "
+            f"{record.status} {outcome} in {fields['duration']}s (queue {fields['queue_wait']}s, "
+            f"first token {fields['time_to_first_token']}s, "
+            f"tokens {record.input_tokens}/{record.output_tokens})"
         )
+        request_log.info("{summary}", summary=summary, **fields)
 
 
 def _round(value: float | None) -> float | None:

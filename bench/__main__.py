@@ -1,0 +1,541 @@
+"""Benchmarks: what the gateway costs, measured beside the upstream in the same run.
+
+`make bench` (or `python -m bench`) starts the stub upstreams (fast: no hold, no delay) and the
+gateway on loopback as real twistd processes, runs each scenario against the gateway and, where
+there is one, directly against the stub, interleaved over several rounds, and prints a table and
+writes JSON (bench/results/). These are measurements, not tests: nothing here fails on a figure.
+
+  1 throughput     8 concurrent 2,000-token streams: tokens/s through /llm vs direct
+  2 latency        200 sequential short requests: time to first token, gateway - direct
+  3 queue          5,000 streams behind slots = 2: FIFO, RSS and CPU per request, frames, staleness
+  4 cancellation   100 streams cut at random: client close -> stub logs `cancelled`
+  5 slow reader    1 KB/s from a 10 MB stream: the gateway's RSS over time
+
+`--target URL --model NAME` runs scenarios 1 and 2 against any Anthropic-compatible endpoint
+instead (e.g. another gateway), with nothing started here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+from bench.client import Frame, Result, percentile, request
+from tests.processes import Process, start_gateway, start_stub
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def config(fast: str, big: str, paced: str) -> str:
+    return f"""
+[upstreams.fast]
+url = "{fast}"
+slots = 8
+
+[upstreams.queue]
+url = "{fast}"
+slots = 2
+queue_limit = 10000
+
+[upstreams.big]
+url = "{big}"
+slots = 1
+
+[upstreams.paced]
+url = "{paced}"
+slots = 200
+
+[models.fast]
+upstream = "fast"
+
+[models.queue]
+upstream = "queue"
+
+[models.big]
+upstream = "big"
+
+[models.paced]
+upstream = "paced"
+"""
+
+
+class ProcessStats:
+    """RSS and CPU time of a process, from /proc."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def rss_kb(self) -> int:
+        return self._status("VmRSS")
+
+    def peak_rss_kb(self) -> int:
+        return self._status("VmHWM")
+
+    def _status(self, key: str) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+        raise KeyError(key)
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def anthropic_body(model: str, prompt: str, max_tokens: int = 4000, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [{"role": "user", "content": prompt}],
+        **extra,
+    }
+
+
+def openai_body(prompt: str, max_tokens: int = 4000) -> dict[str, Any]:
+    return {
+        "model": "stub",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": prompt}],
+    }
+
+
+def is_openai_token(frame: Frame) -> bool:
+    data = frame.data
+    if not isinstance(data, dict) or not data.get("choices"):
+        return False
+    delta = data["choices"][0].get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"))
+
+
+def is_anthropic_token(frame: Frame) -> bool:
+    return frame.event == "content_block_delta"
+
+
+# -- 1. throughput ------------------------------------------------------------------------------
+
+
+async def streams_rate(
+    url: str, body: dict[str, Any], count: int, is_token: Any
+) -> tuple[float, int]:
+    started = time.monotonic()
+    results = await asyncio.gather(*(request(url, body) for _ in range(count)))
+    elapsed = time.monotonic() - started
+    errors = [r.error or r.status for r in results if r.error or r.status != 200]
+    assert not errors, errors
+    tokens = sum(sum(1 for f in r.frames if is_token(f)) for r in results)
+    return tokens / elapsed, tokens
+
+
+async def throughput(direct: str | None, gateway: str, model: str, rounds: int) -> dict[str, Any]:
+    direct_rates, gateway_rates = [], []
+    tokens = 0
+    for _ in range(rounds):
+        if direct is not None:
+            rate, _ = await streams_rate(
+                direct + "/chat/completions", openai_body("long"), 8, is_openai_token
+            )
+            direct_rates.append(rate)
+        rate, tokens = await streams_rate(
+            gateway + "/v1/messages", anthropic_body(model, "long"), 8, is_anthropic_token
+        )
+        gateway_rates.append(rate)
+    out: dict[str, Any] = {
+        "streams": 8,
+        "tokens_per_round": tokens,
+        "rounds": rounds,
+        "gateway_tokens_per_s": round(statistics.median(gateway_rates)),
+        "gateway_all": [round(r) for r in gateway_rates],
+    }
+    if direct_rates:
+        out["direct_tokens_per_s"] = round(statistics.median(direct_rates))
+        out["direct_all"] = [round(r) for r in direct_rates]
+        out["ratio"] = round(out["gateway_tokens_per_s"] / out["direct_tokens_per_s"], 2)
+    return out
+
+
+# -- 2. latency ---------------------------------------------------------------------------------
+
+
+async def first_token(url: str, body: dict[str, Any], is_token: Any) -> float:
+    """Seconds to the first token of a short answer read to its end, as a client would (so
+    the gateway keeps its upstream connection for the next request)."""
+    result = await request(url, body)
+    frame = result.first(is_token)
+    assert frame is not None and result.error is None, (
+        result.status,
+        result.error,
+        result.events[:5],
+    )
+    return frame.at - result.sent
+
+
+async def latency(direct: str | None, gateway: str, model: str, n: int) -> dict[str, Any]:
+    direct_ms, gateway_ms = [], []
+    for _ in range(n):
+        if direct is not None:
+            direct_ms.append(
+                1000
+                * await first_token(
+                    direct + "/chat/completions", openai_body("content-only", 8), is_openai_token
+                )
+            )
+        gateway_ms.append(
+            1000
+            * await first_token(
+                gateway + "/v1/messages",
+                anthropic_body(model, "content-only", 8),
+                is_anthropic_token,
+            )
+        )
+    out: dict[str, Any] = {
+        "requests": n,
+        "gateway_p50_ms": round(percentile(gateway_ms, 50), 2),
+        "gateway_p95_ms": round(percentile(gateway_ms, 95), 2),
+    }
+    if direct_ms:
+        out["direct_p50_ms"] = round(percentile(direct_ms, 50), 2)
+        out["direct_p95_ms"] = round(percentile(direct_ms, 95), 2)
+        out["added_p50_ms"] = round(out["gateway_p50_ms"] - out["direct_p50_ms"], 2)
+        out["added_p95_ms"] = round(out["gateway_p95_ms"] - out["direct_p95_ms"], 2)
+    return out
+
+
+# -- 3. queue scale -----------------------------------------------------------------------------
+
+
+async def queue_scale(gateway: str, stats: ProcessStats, n: int) -> dict[str, Any]:
+    """Two blockers hold both slots; n waiters join one at a time (so arrival order is known),
+    all wait at once; the blockers leave and the line drains."""
+    url = gateway + "/llm/v1/messages"
+    release = asyncio.Event()
+    blockers = [
+        asyncio.create_task(
+            request(url, anthropic_body("queue", "stall"), cut=lambda r: release.is_set())
+        )
+        for _ in range(2)
+    ]
+    await wait_status(gateway, "queue", lambda s: s["in_use"] == 2)
+    rss_before, cpu_before = stats.rss_kb(), stats.cpu_seconds()
+    admitted = [asyncio.Event() for _ in range(n)]
+    results: list[Result | None] = [None] * n
+
+    def on_frame(i: int) -> Any:
+        return lambda result, frame: admitted[i].set()
+
+    async def waiter(i: int) -> None:
+        results[i] = await request(
+            url, anthropic_body("queue", "content-only", 16), on_frame=on_frame(i)
+        )
+        admitted[i].set()
+
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(waiter(i)))
+        await admitted[i].wait()
+    rss_waiting = stats.rss_kb()
+    released_at = time.monotonic()
+    release.set()
+    for blocker in blockers:  # the blockers' stalled streams send nothing more: close them
+        blocker.cancel()
+    await asyncio.gather(*blockers, return_exceptions=True)
+    await asyncio.gather(*tasks)
+    drained = time.monotonic() - released_at
+    await wait_status(gateway, "queue", lambda s: s["in_use"] == 0 and s["waiting"] == 0)
+    cpu = stats.cpu_seconds() - cpu_before
+
+    done = [r for r in results if r is not None]
+    failures = [
+        r.error or r.status
+        for r in done
+        if r.error or r.status != 200 or r.events[-1:] != ["message_stop"]
+    ]
+    starts = [r.first(lambda f: f.event == "message_start").at for r in done]
+    queue_frames = [[f for f in r.frames if f.event == "queue"] for r in done]
+    positions = [[f.data["position"] for f in frames] for frames in queue_frames]
+    initial_ok = all(p and p[0] == i + 1 for i, p in enumerate(positions))
+    monotonic = all(p == sorted(p, reverse=True) for p in positions)
+    reach_one = all(p and p[-1] == 1 for p in positions)
+    # With 2 slots, k + 2 must not start before k. Starts are seen at the client, so two
+    # upstream answers racing by a hair can look swapped: report how much, not just whether.
+    inversions = [starts[i] - starts[i + 2] for i in range(n - 2) if starts[i] > starts[i + 2]]
+    return {
+        "waiters": n,
+        "slots": 2,
+        "completed": len(done) - len(failures),
+        "failures": failures[:5],
+        "fifo_initial_positions_exact": initial_ok,
+        "positions_only_go_down": monotonic,
+        "positions_reach_1": reach_one,
+        "start_order_inversions": inversions,
+        "drain_seconds": round(drained, 1),
+        "rss_kb_idle": rss_before,
+        "rss_kb_all_waiting": rss_waiting,
+        "rss_per_waiting_stream_kb": round((rss_waiting - rss_before) / n, 2),
+        "gateway_cpu_ms_per_request": round(1000 * cpu / n, 3),
+        "queue_frames_per_waiter": round(sum(len(f) for f in queue_frames) / n, 2),
+        "worst_position_staleness_s": round(worst_staleness(queue_frames, starts, released_at), 3),
+    }
+
+
+def worst_staleness(
+    queue_frames: list[list[Frame]], starts: list[float], released_at: float
+) -> float:
+    """How long a reported position went on being higher than the truth, at worst.
+
+    Waiter k's true position at time t is 1 + (waiters ahead of it not started by t). Its
+    report p became stale when the (k + 1 - p)-th start ahead happened; it stayed stale until
+    the next report (or its own start). Start times are when each message_start arrived.
+    """
+    ahead_sorted = sorted(starts)
+    worst = 0.0
+    order = sorted(range(len(starts)), key=lambda i: starts[i])
+    rank = {i: r for r, i in enumerate(order)}
+    for k, frames in enumerate(queue_frames):
+        reports = [(max(f.at, released_at), f.data["position"]) for f in frames]
+        ends = [t for t, _ in reports[1:]] + [starts[k]]
+        mine = rank[k]
+        for (at, position), until in zip(reports, ends, strict=True):
+            needed = mine + 1 - position  # starts before this report is stale
+            if needed < 0 or needed >= len(ahead_sorted):
+                continue
+            stale_from = max(ahead_sorted[needed], at)
+            worst = max(worst, until - stale_from)
+    return worst
+
+
+async def wait_status(gateway: str, upstream: str, condition: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition(get_json(gateway + "/llm/v1/status")["upstreams"][upstream]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{upstream} status never matched")
+        await asyncio.sleep(0.02)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+# -- 4. cancellation ----------------------------------------------------------------------------
+
+
+async def cancellation(gateway: str, stub_log: Path, n: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    closed: dict[str, float] = {}
+    semaphore = asyncio.Semaphore(10)
+
+    async def one(i: int) -> None:
+        tag = f"cut-{i}"
+        after = rng.uniform(0.02, 0.5)
+
+        def cut(result: Result) -> bool:
+            if time.monotonic() - result.sent >= after:
+                closed[tag] = time.time()
+                return True
+            return False
+
+        async with semaphore:
+            await request(
+                gateway + "/llm/v1/messages",
+                anthropic_body("paced", "long", metadata={"user_id": tag}),
+                cut=cut,
+            )
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    await wait_status(gateway, "paced", lambda s: s["in_use"] == 0)
+    await asyncio.sleep(0.2)
+    tags, cancelled = {}, {}
+    for line in stub_log.read_text().splitlines():
+        stamp, event, rest = line.split(" ", 2)
+        fields = dict(part.split("=", 1) for part in rest.split())
+        if event == "start" and "user" in fields:
+            tags[fields["id"]] = fields["user"]
+        elif event == "cancelled":
+            cancelled[fields["id"]] = datetime.fromisoformat(stamp).timestamp()
+    latencies = [
+        1000 * (cancelled[i] - closed[tags[i]]) for i in cancelled if tags.get(i) in closed
+    ]
+    status = get_json(gateway + "/llm/v1/status")["upstreams"]["paced"]
+    return {
+        "streams": n,
+        "cancelled_seen_by_stub": len(latencies),
+        "p50_ms": round(percentile(latencies, 50), 1),
+        "p95_ms": round(percentile(latencies, 95), 1),
+        "max_ms": round(max(latencies), 1) if latencies else None,
+        "slots_in_use_after": status["in_use"],
+        "waiting_after": status["waiting"],
+    }
+
+
+# -- 5. slow reader -----------------------------------------------------------------------------
+
+
+async def slow_reader(
+    gateway: str, big_stub: str, stats: ProcessStats, seconds: float
+) -> dict[str, Any]:
+    samples: list[int] = []
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        while not done.is_set():
+            samples.append(stats.rss_kb())
+            await asyncio.sleep(1.0)
+
+    sampler = asyncio.create_task(sample())
+    result = await request(
+        gateway + "/llm/v1/messages",
+        anthropic_body("big", "content-only", 100_000),
+        read_delay=1.0,
+        read_size=1024,
+        cut=lambda r: time.monotonic() - r.sent > seconds,
+    )
+    done.set()
+    await sampler
+    stub = get_json(big_stub.removesuffix("/v1") + "/stub/status")
+    return {
+        "seconds": seconds,
+        "client_read_kb": round(result.bytes_read / 1024, 1),
+        "stream_size_mb": "about 10 (40,000 tokens)",
+        "rss_kb_first": samples[0],
+        "rss_kb_max": max(samples),
+        "rss_kb_growth": max(samples) - samples[0],
+        "upstream_paused_by_backpressure": stub["paused"],
+        "upstream_completed": stub["completed"],
+    }
+
+
+# -- running it all -----------------------------------------------------------------------------
+
+
+def profile_pass(workdir: Path, gateway_config: str, fast: str) -> str:
+    """Scenario 1 once more with the gateway under cProfile; the top of the profile as text."""
+    path = workdir / "gateway.prof"
+    gateway, url = start_gateway(
+        workdir, gateway_config, env={"HOMELAB_GATEWAY_PROFILE": str(path)}
+    )
+    try:
+        asyncio.run(throughput(fast, url + "/llm", "fast", 2))
+    finally:
+        gateway.stop()
+    out = StringIO()
+    stats = pstats.Stats(str(path), stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    paced_log = workdir / "paced.log"
+    processes: list[Process] = []
+    try:
+        fast_stub, fast = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "8")
+        big_stub, big = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "40000")
+        paced_stub, paced = start_stub(
+            workdir, "--reasoning-tokens", "0", "--delay", "0.01", "--log", str(paced_log)
+        )
+        processes += [fast_stub, big_stub, paced_stub]
+        gateway_config = config(fast, big, paced)
+        gateway, url = start_gateway(workdir, gateway_config)
+        processes.append(gateway)
+        stats = ProcessStats(gateway.popen.pid)
+        report: dict[str, Any] = {"machine": machine()}
+        print("1 throughput ...", file=sys.stderr)
+        report["1_throughput"] = asyncio.run(throughput(fast, url + "/llm", "fast", args.rounds))
+        print("2 latency ...", file=sys.stderr)
+        report["2_latency"] = asyncio.run(
+            latency(fast, url + "/llm", "fast", args.latency_requests)
+        )
+        print("3 queue scale ...", file=sys.stderr)
+        report["3_queue"] = asyncio.run(queue_scale(url, stats, args.waiters))
+        print("4 cancellation ...", file=sys.stderr)
+        report["4_cancellation"] = asyncio.run(cancellation(url, paced_log, 100, args.seed))
+        print("5 slow reader ...", file=sys.stderr)
+        report["5_slow_reader"] = asyncio.run(slow_reader(url, big, stats, args.slow_seconds))
+        gateway.stop()
+        processes.remove(gateway)
+        if args.profile:
+            print("profile ...", file=sys.stderr)
+            report["profile"] = profile_pass(workdir, gateway_config, fast)
+        return report
+    finally:
+        for process in processes:
+            process.stop()
+
+
+def machine() -> dict[str, Any]:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "date": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = []
+    for name, figures in report.items():
+        if isinstance(figures, dict):
+            lines.append(f"{name}")
+            lines += [f"  {key:34} {value}" for key, value in figures.items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--latency-requests", type=int, default=200)
+    parser.add_argument("--waiters", type=int, default=5000)
+    parser.add_argument("--slow-seconds", type=float, default=15.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument(
+        "--target", help="an Anthropic-compatible base URL ending in the part before /v1"
+    )
+    parser.add_argument("--model", default="fast", help="the model to ask for with --target")
+    args = parser.parse_args()
+    if args.target:
+        report = {
+            "target": args.target,
+            "1_throughput": asyncio.run(throughput(None, args.target, args.model, args.rounds)),
+            "2_latency": asyncio.run(latency(None, args.target, args.model, args.latency_requests)),
+        }
+    else:
+        with tempfile.TemporaryDirectory() as workdir:
+            report = run_local(args, Path(workdir))
+    profile = report.pop("profile", None)
+    print(table(report))
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(report, indent=2))
+    if profile:
+        (RESULTS / f"profile-{stamp}.txt").write_text(profile)
+        print(f"\nprofile: bench/results/profile-{stamp}.txt")
+    print(f"results: bench/results/bench-{stamp}.json")
+
+
+if __name__ == "__main__":
+    main()
