@@ -283,7 +283,8 @@ async def queue_scale(gateway: str, stats: ProcessStats, n: int) -> dict[str, An
         "fifo_initial_positions_exact": initial_ok,
         "positions_only_go_down": monotonic,
         "positions_reach_1": reach_one,
-        "start_order_inversions": inversions,
+        "start_order_inversions": len(inversions),
+        "worst_inversion_ms": round(1000 * max(inversions), 2) if inversions else 0,
         "drain_seconds": round(drained, 1),
         "rss_kb_idle": rss_before,
         "rss_kb_all_waiting": rss_waiting,
@@ -418,7 +419,19 @@ async def slow_reader(
         "rss_kb_growth": max(samples) - samples[0],
         "upstream_paused_by_backpressure": stub["paused"],
         "upstream_completed": stub["completed"],
+        "kernel_tcp_buffers": kernel_buffers(),
     }
+
+
+def kernel_buffers() -> str:
+    """Loopback sockets' autotuned buffers hold several MB each way: a stream smaller than
+    that can be produced in full while every user-space buffer stays small."""
+    sizes = []
+    for name in ("tcp_rmem", "tcp_wmem"):
+        path = Path(f"/proc/sys/net/ipv4/{name}")
+        if path.exists():
+            sizes.append(f"{name} max {int(path.read_text().split()[2]) // 2**20} MiB")
+    return ", ".join(sizes) or "unknown"
 
 
 # -- running it all -----------------------------------------------------------------------------

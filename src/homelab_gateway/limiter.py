@@ -33,7 +33,7 @@ class PositionedSemaphore(DeferredSemaphore):
         clock: IReactorTime,
         *,
         queue_limit: int | None = None,
-        report_interval: float = 0.5,
+        report_interval: float = 0.4,
     ) -> None:
         super().__init__(tokens)
         self._clock = clock
