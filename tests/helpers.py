@@ -57,7 +57,7 @@ class Servers:
         self.gateway_url = ""
         test.addCleanup(self.close)
 
-    def _listen(self, site: Any) -> int:
+    def listen(self, site: Any) -> int:
         factory = WrappingFactory(site)
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.factories.append(factory)
@@ -67,14 +67,14 @@ class Servers:
     def stub(self, **settings: Any) -> tuple[str, StubResource, RecordingLog]:
         log = RecordingLog()
         site = stub_site(StubSettings(**settings), reactor, log)
-        port = self._listen(site)
+        port = self.listen(site)
         return f"http://127.0.0.1:{port}/v1", site.resource, log
 
     def start_gateway(self, document: dict[str, Any], environ: dict[str, str] | None = None) -> str:
         environ = {"TEST_KEY": "sekrit", **(environ or {})}
         config: Config = parse_config(document, source="<test>", environ=environ)
         self.gateway = Gateway(config, reactor)
-        port = self._listen(self.gateway.site)
+        port = self.listen(self.gateway.site)
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.gateway_port = port
         return self.gateway_url

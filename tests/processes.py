@@ -89,6 +89,16 @@ class Process:
         )
 
 
+def one_upstream_config(stub_url: str, *, slots: int = 1, server: str = "") -> str:
+    """A config with one upstream `vllm` serving the model `reasoning`; `server` is the body
+    of a [server] table."""
+    head = f"[server]\n{server}\n\n" if server else ""
+    return (
+        f'{head}[upstreams.vllm]\nurl = "{stub_url}"\nslots = {slots}\n\n'
+        '[models.reasoning]\nupstream = "vllm"\n'
+    )
+
+
 def start_stub(cwd: Path, *options: str) -> tuple[Process, str]:
     process = Process(
         [

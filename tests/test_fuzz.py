@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.mapping import InvalidRequest, map_request
 from tests.grammar import check_stream
-from tests.processes import start_gateway, start_stub
+from tests.processes import one_upstream_config, start_gateway, start_stub
 
 scalars = st.one_of(
     st.none(),
@@ -148,11 +148,7 @@ def test_mapping_only_ever_raises_invalid_request(body: dict[str, Any]) -> None:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     cwd: Path = tmp_path_factory.mktemp("fuzz")
     stub, stub_url = start_stub(cwd, "--content-tokens", "3", "--reasoning-tokens", "2")
-    config = (
-        f'[upstreams.vllm]\nurl = "{stub_url}"\nslots = 4\n\n'
-        '[models.reasoning]\nupstream = "vllm"\n'
-    )
-    process, url = start_gateway(cwd, config)
+    process, url = start_gateway(cwd, one_upstream_config(stub_url, slots=4))
     parts = urlsplit(url)
     yield parts.hostname or "127.0.0.1", parts.port or 0
     process.stop()

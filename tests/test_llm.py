@@ -356,7 +356,7 @@ class StaleConnections(TestCase):
         self.servers = Servers(self)
         factory = Factory.forProtocol(ClosesConnections)
         factory.connections, factory.closing = 0, closing
-        port = self.servers._listen(factory)
+        port = self.servers.listen(factory)
         self.servers.start_gateway(gateway_document(f"http://127.0.0.1:{port}/v1"))
         return factory
 

@@ -131,7 +131,7 @@ class ProxyIntegration(TestCase):
     def setUp(self) -> None:
         self.servers = Servers(self)
         self.stub_url, self.stub, self.log = self.servers.stub(delay=0.05, content_tokens=10)
-        self.echo_port = self.servers._listen(Site(EchoHeaders()))
+        self.echo_port = self.servers.listen(Site(EchoHeaders()))
         silent = Factory.forProtocol(Silent)
         self.silent_port = reactor.listenTCP(0, silent, interface="127.0.0.1")
         self.addCleanup(self.silent_port.stopListening)

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.processes import TWISTD, Process, clean_env, start_gateway, start_stub
+from tests.processes import (
+    TWISTD,
+    Process,
+    clean_env,
+    one_upstream_config,
+    start_gateway,
+    start_stub,
+)
 
 
 def post(url: str, body: dict, timeout: float = 20.0) -> tuple[int, str, str]:
@@ -231,17 +238,7 @@ def test_sigterm_drains_in_flight_and_fails_the_queued(tmp_path: Path) -> None:
         "0",
     )
     try:
-        config = f"""
-[server]
-shutdown_grace = 20
-
-[upstreams.vllm]
-url = "{stub_url}"
-slots = 1
-
-[models.reasoning]
-upstream = "vllm"
-"""
+        config = one_upstream_config(stub_url, server="shutdown_grace = 20")
         gateway, url = start_gateway(tmp_path, config)
         body = json.dumps(
             {
@@ -294,17 +291,7 @@ def wait_until(condition: Any, timeout: float = 10.0) -> None:
 def test_json_log_format_writes_one_json_object_per_line(tmp_path: Path) -> None:
     stub, stub_url = start_stub(tmp_path)
     try:
-        config = f"""
-[server]
-log_format = "json"
-
-[upstreams.vllm]
-url = "{stub_url}"
-slots = 1
-
-[models.reasoning]
-upstream = "vllm"
-"""
+        config = one_upstream_config(stub_url, server='log_format = "json"')
         gateway, url = start_gateway(tmp_path, config)
         post(
             url + "/llm/v1/messages",
