@@ -156,11 +156,16 @@ class Telemetry:
         # costs more than the rest of a short request. Every field still travels with the event.
         summary = (
             f"{record.request_id} {record.method} {record.path} {record.model or '-'} -> "
-            f"{record.status} {outcome} in {fields['duration']}s (queue {fields['queue_wait']}s, "
-            f"first token {fields['time_to_first_token']}s, "
-            f"tokens {record.input_tokens}/{record.output_tokens})"
+            f"{_show(record.status)} {outcome} in {fields['duration']}s"
+            f" (queue {_show(fields['queue_wait'], 's')},"
+            f" first token {_show(fields['time_to_first_token'], 's')},"
+            f" tokens {_show(record.input_tokens)}/{_show(record.output_tokens)})"
         )
         request_log.info("{summary}", summary=summary, **fields)
+
+
+def _show(value: object, unit: str = "") -> str:
+    return "-" if value is None else f"{value}{unit}"
 
 
 def _round(value: float | None) -> float | None:
