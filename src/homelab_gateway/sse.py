@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,9 @@ class SSEParser:
 
 
 def encode_event(data: dict[str, Any]) -> bytes:
-    """One SSE frame named after `data["type"]`, so the name and the JSON can never disagree."""
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {data['type']}\ndata: {payload}\n\n".encode()
+    """One SSE frame named after `data["type"]`, so the name and the JSON can never disagree.
+
+    orjson writes the same compact UTF-8 JSON as `json.dumps(..., ensure_ascii=False,
+    separators=(",", ":"))`, about twenty times faster: this runs once per token.
+    """
+    return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from homelab_gateway.sse import SSEParser
 
 Event = dict[str, Any]
@@ -383,7 +385,7 @@ class UpstreamDecoder:
                 events += self.translator.end()
                 continue
             try:
-                chunk = json.loads(sse.data)
+                chunk = orjson.loads(sse.data)  # once per token: several times json's speed
             except ValueError:
                 events += self.translator.fail("api_error", "upstream sent a line that is not JSON")
             else:
