@@ -82,9 +82,6 @@ class ProcessStats:
     def rss_kb(self) -> int:
         return self._status("VmRSS")
 
-    def peak_rss_kb(self) -> int:
-        return self._status("VmHWM")
-
     def _status(self, key: str) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
             if line.startswith(key + ":"):

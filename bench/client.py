@@ -34,7 +34,6 @@ class Result:
     body: bytes = b""
     error: str | None = None
     cut: bool = False  # the client closed the connection on purpose
-    closed_at: float | None = None
     bytes_read: int = 0
 
     def first(self, predicate: Callable[[Frame], bool]) -> Frame | None:
@@ -89,7 +88,6 @@ async def request(
         if not result.cut:
             result.error = f"{type(e).__name__}: {e}"
     finally:
-        result.closed_at = time.monotonic()
         if writer is not None:
             writer.transport.abort() if result.cut else writer.close()
     return result

@@ -207,6 +207,27 @@ class ProxyIntegration(TestCase):
         )
 
     @async_test
+    async def test_client_leaving_while_sending_its_body_never_reaches_the_upstream(self) -> None:
+        gateway_side = self.servers.factories[-1].protocols
+        for path in ("/openai/chat/completions", "/llm/v1/messages"):
+            partial = raw_request(
+                self.port,
+                "POST",
+                path,
+                b'{"model": "m", "mess',
+                headers={"Content-Length": "5000"},
+                length=False,
+            )
+            await wait_for(
+                lambda: len(gateway_side) == 1, 2.0, "the gateway to take the connection"
+            )
+            partial.disconnect()
+            await partial.closed
+            await wait_for(lambda: not gateway_side, 2.0, "the gateway to drop it")
+        self.assertEqual(self.stub.stats.requests, 0)
+        self.assertEqual(self.servers.gateway.pools["vllm"].slots.in_use, 0)
+
+    @async_test
     async def test_refused_upstream_is_502(self) -> None:
         response = raw_request(self.port, "GET", "/dead/x")
         await response.closed

@@ -105,7 +105,6 @@ class Gateway:
             inflight=self.inflight,
             telemetry=self.telemetry,
             readiness=self.readiness,
-            clock=reactor,
         )
         limits = WireLimits(
             max_body_bytes=server.max_body_bytes,

@@ -22,16 +22,6 @@ from twisted.logger import Logger
 if TYPE_CHECKING:
     from homelab_gateway.llm import Pool
 
-OUTCOMES = (
-    "completed",
-    "client_disconnected",
-    "upstream_error",
-    "rejected_queue_full",
-    "queue_timeout",
-    "bad_request",
-    "unauthorized",
-    "shutdown",
-)
 WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 

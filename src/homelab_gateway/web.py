@@ -13,7 +13,6 @@ from typing import Any
 
 from klein import Klein
 from prometheus_client.twisted import MetricsResource
-from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.access import AccessPolicy
@@ -46,7 +45,6 @@ class GatewayApp:
         inflight: InFlight,
         telemetry: Telemetry,
         readiness: Readiness,
-        clock: IReactorTime,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -56,7 +54,6 @@ class GatewayApp:
         self.inflight = inflight
         self.telemetry = telemetry
         self.readiness = readiness
-        self.clock = clock
         self.metrics_resource = MetricsResource(telemetry.registry)
 
     def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
