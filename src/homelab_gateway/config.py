@@ -29,7 +29,8 @@ class UpstreamConfig:
     url: str
     slots: int
     api_key: str | None = None
-    connect_timeout: float = 10.0
+    # Ollama sends response headers only after loading the model: 10 s would fail cold starts.
+    connect_timeout: float = 60.0
     idle_timeout: float = 300.0
     queue_limit: int = 64
     queue_timeout: float = 600.0
@@ -52,7 +53,7 @@ class RouteConfig:
     prefix: str
     upstream: str | None = None
     url: str | None = None
-    connect_timeout: float = 10.0
+    connect_timeout: float = 60.0
     idle_timeout: float = 300.0
 
 
@@ -325,7 +326,7 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
         url=section.url("url"),
         slots=section.integer("slots", None, required=True),
         api_key=api_key,
-        connect_timeout=section.seconds("connect_timeout", 10.0),
+        connect_timeout=section.seconds("connect_timeout", UpstreamConfig.connect_timeout),
         idle_timeout=section.seconds("idle_timeout", 300.0),
         queue_limit=section.integer("queue_limit", 64, minimum=0),
         queue_timeout=section.seconds("queue_timeout", 600.0),
@@ -384,6 +385,6 @@ def _parse_route(section: _Section, upstreams: Mapping[str, UpstreamConfig]) -> 
     return RouteConfig(
         prefix=prefix,
         url=section.url("url"),
-        connect_timeout=section.seconds("connect_timeout", 10.0),
+        connect_timeout=section.seconds("connect_timeout", RouteConfig.connect_timeout),
         idle_timeout=section.seconds("idle_timeout", 300.0),
     )
