@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import suppress
-from http.cookiejar import CookieJar, DefaultCookiePolicy
+from http.cookiejar import DefaultCookiePolicy
 from typing import Any
 
 from treq.client import HTTPClient
+from treq.cookies import IndexableCookieJar
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.error import ConnectionDone, ConnectionLost
@@ -101,7 +102,7 @@ def llm_http(agent: IAgent) -> HTTPClient:
     (a jar shared by every client of the gateway must never carry one client's state)."""
     return HTTPClient(
         agent,
-        cookiejar=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+        cookiejar=IndexableCookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
         data_to_body_producer=BytesProducer,
     )
 
