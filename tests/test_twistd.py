@@ -84,15 +84,15 @@ def test_stub_log_has_start_and_complete_lines(stack: tuple[str, Path]) -> None:
     assert " start id=" in log and " complete id=" in log
 
 
-def run_gateway(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_to_end(args: list[str], cwd: Path | str = "/") -> subprocess.CompletedProcess[str]:
+    """Run a command the way a user would (no PYTHONPATH, away from this checkout)."""
     return subprocess.run(
-        [TWISTD, "--nodaemon", "--pidfile=", "homelab-gateway", *args],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+        args, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=60
     )
+
+
+def run_gateway(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_to_end([TWISTD, "--nodaemon", "--pidfile=", "homelab-gateway", *args], tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -194,27 +194,13 @@ def test_the_plugin_module_does_not_import_the_reactor() -> None:
         "assert 'twisted.internet.reactor' not in sys.modules, 'reactor imported'; "
         "print(p.gateway.tapname, p.stub.tapname)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd="/",
-    )
+    result = run_to_end([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["homelab-gateway", "homelab-stub"]
 
 
 def test_stub_runs_as_a_module_and_lists_its_scenarios() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "homelab_gateway.stub", "--help"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd="/",
-    )
+    result = run_to_end([sys.executable, "-m", "homelab_gateway.stub", "--help"])
     assert result.returncode == 0, result.stderr
     assert "reasoning-only" in result.stdout and "--hold" in result.stdout
 
