@@ -27,13 +27,12 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime
 from io import StringIO
 from pathlib import Path
 from typing import Any
 
-from bench.client import Frame, Result, percentile, request
+from bench.client import Frame, Result, get_json, percentile, request
 from tests.processes import Process, start_gateway, start_stub
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -324,11 +323,6 @@ async def wait_status(gateway: str, upstream: str, condition: Any, timeout: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"{upstream} status never matched")
         await asyncio.sleep(0.02)
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.load(response)
 
 
 # -- 4. cancellation ----------------------------------------------------------------------------

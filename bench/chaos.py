@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.client import Result, request
+from bench.client import Result, get_json, request
 from tests.grammar import check_stream
 from tests.processes import Process, start_gateway, start_stub
 
@@ -162,11 +162,6 @@ async def chaos(url: str, n: int, concurrency: int, seed: int) -> dict[str, Any]
         "problems": problems,
         "outcomes": dict(sorted(counts.items())),
     }
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.load(response)
 
 
 def settle(gateway_url: str, stub_url: str, timeout: float = 15.0) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,6 +163,12 @@ async def _read(
     except _Cut:
         pass
     result.body = b"".join(body)
+
+
+def get_json(url: str) -> Any:
+    """A plain blocking GET of a small JSON document (status endpoints, between scenarios)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -9,13 +9,15 @@ limit) and gives each request one deadline, from its first byte to its last, to 
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
+
+from homelab_gateway.errors import GatewayError
+from homelab_gateway.respond import new_request_id
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,14 @@ class GatewayChannel(HTTPChannel):
         self._refused = True
         self._cancel_deadline()
         path = getattr(self, "_path", b"") or b""
-        if path.startswith(b"/llm/"):
-            document: Any = {"type": "error", "error": {"type": error_type, "message": message}}
-        else:
-            document = {"error": {"message": message, "type": error_type, "code": status}}
+        error = GatewayError(status, message, error_type=error_type)
+        document = error.anthropic_body() if path.startswith(b"/llm/") else error.openai_body()
         body = json.dumps(document).encode()
         reason = {408: b"Request Timeout", 413: b"Content Too Large"}[status]
         head = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"request-id: req_%s\r\nconnection: close\r\n\r\n"
-        ) % (status, reason, len(body), secrets.token_hex(12).encode())
+            b"request-id: %s\r\nconnection: close\r\n\r\n"
+        ) % (status, reason, len(body), new_request_id().encode())
         self.transport.write(head + body)
         self.loseConnection()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from homelab_gateway.translator import error_event
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -46,10 +48,17 @@ class GatewayError(Exception):
         self.outcome = outcome or ("bad_request" if status < 500 else "upstream_error")
 
     def anthropic_body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
+        return error_event(self.error_type, self.message)
 
     def openai_body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "code": self.status}}
+
+
+def shutdown_error() -> GatewayError:
+    """For a request that shutdown cut off before its answer was finished."""
+    return GatewayError(
+        503, "the gateway shut down before the answer was finished", outcome="shutdown"
+    )
 
 
 def upstream_http_error(status: int, body: bytes, headers_retry_after: str | None) -> GatewayError:

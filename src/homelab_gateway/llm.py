@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.errors import GatewayError, upstream_http_error
+from homelab_gateway.errors import GatewayError, shutdown_error, upstream_http_error
 from homelab_gateway.mapping import InvalidRequest, MappedRequest, map_request, request_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.respond import send_error, send_json
@@ -39,12 +39,6 @@ PING_FRAME = encode_event({"type": "ping"})
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
-
-
-def shutdown_error() -> GatewayError:
-    return GatewayError(
-        503, "the gateway shut down before the answer was finished", outcome="shutdown"
-    )
 
 
 class EventStream:

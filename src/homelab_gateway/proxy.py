@@ -17,7 +17,7 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 
-from homelab_gateway.errors import GatewayError
+from homelab_gateway.errors import GatewayError, shutdown_error
 from homelab_gateway.pool import Pool
 from homelab_gateway.respond import send_error
 from homelab_gateway.telemetry import RequestRecord
@@ -134,10 +134,6 @@ class ReverseProxy:
         credential_header: bytes | None,
     ) -> bytes | None:
         record.upstream = route.upstream.name
-        if escapes_prefix(remainder):
-            error = GatewayError(400, "path escapes the route prefix")
-            record.outcome = error.outcome
-            return send_error(request, error, anthropic=False)
         query = request.uri.partition(b"?")[2]
         url = route.upstream.url.encode() + b"/" + remainder + (b"?" + query if query else b"")
         peer: Any = request.getClientAddress()
@@ -151,6 +147,8 @@ class ReverseProxy:
         )
         body = request.content.read()
         try:
+            if escapes_prefix(remainder):
+                raise GatewayError(400, "path escapes the route prefix")
             slot = (
                 await route.pool.hold_slot(self.clock, record) if route.pool is not None else None
             )
@@ -168,9 +166,7 @@ class ReverseProxy:
             if request.startedWriting:
                 request.channel.transport.abortConnection()  # cut mid-body: visibly incomplete
                 return None
-            return send_error(
-                request, GatewayError(503, "the gateway is shutting down"), anthropic=False
-            )
+            return send_error(request, shutdown_error(), anthropic=False)
 
     async def _relay(
         self,
