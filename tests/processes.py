@@ -6,6 +6,7 @@ must find the plugin where `pip install` put it, not in this checkout.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -14,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 TWISTD = str(BIN / "twistd")
@@ -139,3 +142,18 @@ def start_gateway(
     match = re.search(r"http://127\.0\.0\.1:\d+", line)
     assert match is not None, line
     return process, match.group(0)
+
+
+def wait_until(condition: Any, timeout: float = 20.0) -> None:
+    """Poll a condition across processes until it holds: a bounded wait for a state, never a
+    fixed sleep. The bound is generous because a passing wait ends as soon as the state holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout}s"
+        time.sleep(0.02)
+
+
+def upstream_status(url: str, upstream: str) -> dict[str, int]:
+    """One upstream's slots, in use and waiting, from a running gateway's /llm/v1/status."""
+    with urllib.request.urlopen(url + "/llm/v1/status", timeout=5) as response:
+        return json.load(response)["upstreams"][upstream]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import anthropic
 import pytest
 
-from tests.processes import start_gateway, start_stub
+from tests.processes import start_gateway, start_stub, upstream_status, wait_until
 
 WEATHER = [
     {
@@ -24,7 +24,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[anthropic.Anthr
     cwd = tmp_path_factory.mktemp("sdk")
     fast, fast_url = start_stub(cwd, "--delay", "0.002", "--reasoning-field", "reasoning_content")
     slow, slow_url = start_stub(
-        cwd, "--hold", "1.5", "--reasoning-tokens", "2", "--content-tokens", "3"
+        cwd, "--hold", "3", "--reasoning-tokens", "2", "--content-tokens", "3"
     )
     config = f"""
 [upstreams.fast]
@@ -145,6 +145,7 @@ def test_client_errors_are_anthropic_errors(client: anthropic.Anthropic) -> None
 
 
 def test_a_queued_stream_gives_the_correct_final_message(client: anthropic.Anthropic) -> None:
+    gateway = str(client.base_url).removesuffix("/").removesuffix("/llm")
     ahead = threading.Thread(
         target=lambda: client.messages.create(
             model="slow", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
@@ -152,6 +153,9 @@ def test_a_queued_stream_gives_the_correct_final_message(client: anthropic.Anthr
     )
     ahead.start()
     try:
+        # The request ahead must hold the only slot before the stream is sent, or the two race
+        # for it. The slow stub holds its first token 3 s, far longer than this takes.
+        wait_until(lambda: upstream_status(gateway, "slow")["in_use"] == 1)
         seen: list[str] = []
         with client.messages.stream(
             model="slow", max_tokens=8, messages=[{"role": "user", "content": "hi"}]

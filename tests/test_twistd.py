@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,8 @@ from tests.processes import (
     one_upstream_config,
     start_gateway,
     start_stub,
+    upstream_status,
+    wait_until,
 )
 
 
@@ -263,15 +264,7 @@ def test_sigterm_drains_in_flight_and_fails_the_queued(tmp_path: Path) -> None:
 
 
 def status(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(url + "/llm/v1/status", timeout=5) as response:
-        return json.load(response)["upstreams"]["vllm"]
-
-
-def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+    return upstream_status(url, "vllm")
 
 
 def test_json_log_format_writes_one_json_object_per_line(tmp_path: Path) -> None:
