@@ -319,7 +319,17 @@ class Catalogue(LLMSurface):
         await response.closed
         self.assertEqual(
             json.loads(response.body_text()),
-            {"upstreams": {"vllm": {"slots": 2, "in_use": 0, "waiting": 0}}},
+            {
+                "upstreams": {
+                    "vllm": {
+                        "slots": 2,
+                        "in_use": 0,
+                        "waiting": 0,
+                        "waiting_by_class": {"interactive": 0, "normal": 0, "batch": 0},
+                        "waiting_by_client": {},
+                    }
+                }
+            },
         )
 
 

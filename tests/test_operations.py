@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
@@ -205,10 +206,10 @@ class Keys(LLMSurface):
         policy = AccessPolicy(["k1", "k2", "k3"], protect_metrics=False, cors_origins=())
         self.patch(hmac, "compare_digest", counting)
         request = _FakeRequest({b"x-api-key": b"k1"})
-        self.assertEqual(policy.credential_header(request), b"x-api-key")
+        self.assertEqual(policy.key_name(request), "key-" + hashlib.sha256(b"k1").hexdigest()[:8])
         self.assertEqual(len(calls), 3, "stopped at the first match")
         calls.clear()
-        self.assertIsNone(policy.credential_header(_FakeRequest({b"x-api-key": b"nope"})))
+        self.assertIsNone(policy.key_name(_FakeRequest({b"x-api-key": b"nope"})))
         self.assertEqual(len(calls), 3)
 
 

@@ -68,13 +68,14 @@ class HeaderHandling(TestCase):
         )
         self.assertNotIn(b"authorization", out)
 
-    def test_x_forwarded_for_is_appended_to(self) -> None:
+    def test_x_forwarded_for_from_a_trusted_proxy_is_appended_to(self) -> None:
         out = forward_headers(
             [(b"X-Forwarded-For", [b"203.0.113.9"])],
             client_ip="10.0.0.2",
             proto="https",
             host=None,
             keep_authorization=True,
+            trusted=True,
         )
         self.assertEqual(out[b"x-forwarded-for"], [b"203.0.113.9, 10.0.0.2"])
 
@@ -289,6 +290,11 @@ class ProxyIntegration(TestCase):
                 "X-Custom": "v",
                 "Keep-Alive": "timeout=5",
                 "X-Forwarded-For": "203.0.113.5",
+                "Forwarded": "for=203.0.113.5",
+                "X-Real-IP": "203.0.113.5",
+                "X-Forwarded-Port": "443",
+                "X-Forwarded-Prefix": "/admin",
+                "X-Forwarded-Proto": "https",
             },
         )
         await response.closed
@@ -300,7 +306,10 @@ class ProxyIntegration(TestCase):
         self.assertEqual(headers["authorization"], ["Bearer mine"])
         self.assertEqual(headers["x-custom"], ["v"])
         self.assertNotIn("keep-alive", headers)
-        self.assertEqual(headers["x-forwarded-for"], ["203.0.113.5, 127.0.0.1"])
+        # The peer is no trusted proxy: what it claims about the original request is dropped.
+        self.assertEqual(headers["x-forwarded-for"], ["127.0.0.1"])
+        for claimed in ("forwarded", "x-real-ip", "x-forwarded-port", "x-forwarded-prefix"):
+            self.assertNotIn(claimed, headers)
         self.assertEqual(headers["x-forwarded-proto"], ["http"])
         self.assertEqual(headers["x-forwarded-host"], [f"127.0.0.1:{self.port}"])
         self.assertEqual(response.header("content-length"), str(len(response.body_bytes())))

@@ -140,7 +140,13 @@ class Queue(LLMSurface):
         await response.closed
         self.assertEqual(
             json.loads(response.body_text())["upstreams"]["vllm"],
-            {"slots": 2, "in_use": 2, "waiting": 1},
+            {
+                "slots": 2,
+                "in_use": 2,
+                "waiting": 1,
+                "waiting_by_class": {"interactive": 0, "normal": 1, "batch": 0},
+                "waiting_by_client": {"127.0.0.1": 1},
+            },
         )
         await self.drain(busy)
         await self.settled()

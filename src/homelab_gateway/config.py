@@ -7,6 +7,8 @@ traceback. Nothing here touches the network or the reactor.
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import os
 import re
 import tomllib
@@ -17,6 +19,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
+PRIORITY_CLASSES = ("interactive", "normal", "batch")  # best first; line.CLASSES agrees
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class ConfigError(Exception):
@@ -35,6 +39,7 @@ class UpstreamConfig:
     queue_limit: int = 64
     queue_timeout: float = 600.0
     continuous_usage_stats: bool = True
+    forward_priority: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class ServerConfig:
     probe_interval: float = 15.0
     log_format: str = "text"
     cors_origins: tuple[str, ...] = ()
+    trusted_proxies: tuple[str, ...] = ()  # networks, e.g. "127.0.0.1/32"
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,30 @@ class AuthConfig:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """A named caller: its key (kept only as a SHA-256 digest) and its place in the line."""
+
+    name: str
+    key_sha256: bytes
+    priority: str = "normal"
+    weight: float = 1.0
+    max_waiting: int | None = None
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    aging: float = 120.0  # seconds of waiting that count as one class better
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     upstreams: Mapping[str, UpstreamConfig]
     models: Mapping[str, ModelConfig]
     routes: tuple[RouteConfig, ...] = ()
     auth: AuthConfig = AuthConfig()
+    clients: Mapping[str, ClientConfig] = field(default_factory=dict)
+    queue: QueueConfig = QueueConfig()
 
 
 class _Section:
@@ -189,9 +213,13 @@ def parse_config(
     document: Mapping[str, Any], *, source: str = "<config>", environ: Mapping[str, str]
 ) -> Config:
     top = _Section(source, "", dict(document))
-    top.reject_unknown({"server", "upstreams", "models", "routes", "auth"})
+    top.reject_unknown({"server", "upstreams", "models", "routes", "auth", "clients", "queue"})
     server = _parse_server(_Section(source, "server", top.table.get("server", {})))
     auth = _parse_auth(_Section(source, "auth", top.table.get("auth", {})), environ)
+    clients = _parse_clients(_Section(source, "clients", top.table.get("clients", {})), environ)
+    queue_section = _Section(source, "queue", top.table.get("queue", {}))
+    queue_section.reject_unknown({"aging"})
+    queue = QueueConfig(aging=queue_section.seconds("aging", QueueConfig.aging))
 
     upstream_tables = _Section(source, "upstreams", top.table.get("upstreams", {}))
     upstreams = {
@@ -215,7 +243,15 @@ def parse_config(
     for i, prefix in enumerate(prefixes):
         if prefix in prefixes[:i]:
             raise ConfigError(f"{source}: routes[{i}].prefix: {prefix!r} is used by another route")
-    return Config(server=server, upstreams=upstreams, models=models, routes=routes, auth=auth)
+    return Config(
+        server=server,
+        upstreams=upstreams,
+        models=models,
+        routes=routes,
+        auth=auth,
+        clients=clients,
+        queue=queue,
+    )
 
 
 def _quote(name: str) -> str:
@@ -242,6 +278,16 @@ def _parse_server(section: _Section) -> ServerConfig:
             raise section.error(
                 "cors_origins", f"{origin!r} is not an origin (scheme://host[:port])"
             )
+    proxies = section.table.get("trusted_proxies", [])
+    if not isinstance(proxies, list) or not all(isinstance(p, str) for p in proxies):
+        raise section.error("trusted_proxies", "must be an array of networks like '127.0.0.1/32'")
+    for network in proxies:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError:
+            raise section.error(
+                "trusted_proxies", f"{network!r} is not an IP address or network"
+            ) from None
     return ServerConfig(
         listen=listen,
         ping_interval=section.seconds("ping_interval", defaults.ping_interval),
@@ -255,7 +301,69 @@ def _parse_server(section: _Section) -> ServerConfig:
         probe_interval=section.seconds("probe_interval", defaults.probe_interval),
         log_format=log_format,
         cors_origins=tuple(origins),
+        trusted_proxies=tuple(proxies),
     )
+
+
+def auth_key_name(key: str) -> str:
+    """The name an `[auth]` key goes by in logs, metrics and status: stable across restarts and
+    reloads, distinct per key, and not the key (8 hex digits of its SHA-256)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_clients(section: _Section, environ: Mapping[str, str]) -> dict[str, ClientConfig]:
+    clients: dict[str, ClientConfig] = {}
+    seen: dict[bytes, str] = {}
+    for name, table in section.table.items():
+        client = _Section(section.source, f"clients.{_quote(name)}", table)
+        if not CLIENT_NAME.fullmatch(name) or name.startswith("key-") or _is_address(name):
+            raise client.error(
+                "",
+                "a client name is 1-64 letters, digits, '_', '.', '-', is no IP address (those "
+                "name key-less clients) and does not start with 'key-' (names of [auth] keys)",
+            )
+        client.reject_unknown({"key_env", "key_sha256", "priority", "weight", "max_waiting"})
+        has_env, has_digest = "key_env" in client.table, "key_sha256" in client.table
+        if has_env == has_digest:
+            raise client.error("", "needs exactly one of 'key_env' or 'key_sha256'")
+        if has_env:
+            env_name = client.string("key_env")
+            key = environ.get(env_name, "").strip()
+            if not key:
+                raise client.error("key_env", f"environment variable {env_name} is not set")
+            digest = hashlib.sha256(key.encode()).digest()
+        else:
+            text = client.string("key_sha256")
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+                raise client.error("key_sha256", "must be the 64 hex digits of a SHA-256 digest")
+            digest = bytes.fromhex(text)
+        if digest in seen:
+            raise client.error("", f"has the same key as client {seen[digest]!r}")
+        seen[digest] = name
+        priority = client.string("priority", "normal")
+        if priority not in PRIORITY_CLASSES:
+            raise client.error(
+                "priority", f"must be one of {', '.join(PRIORITY_CLASSES)}, got {priority!r}"
+            )
+        weight = client.table.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise client.error("weight", f"must be a positive number, got {_describe(weight)}")
+        clients[name] = ClientConfig(
+            name=name,
+            key_sha256=digest,
+            priority=priority,
+            weight=float(weight),
+            max_waiting=client.integer("max_waiting", None, minimum=0),
+        )
+    return clients
 
 
 def _parse_auth(section: _Section, environ: Mapping[str, str]) -> AuthConfig:
@@ -313,6 +421,7 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
             "queue_limit",
             "queue_timeout",
             "continuous_usage_stats",
+            "forward_priority",
         }
     )
     api_key = None
@@ -331,6 +440,7 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
         queue_limit=section.integer("queue_limit", 64, minimum=0),
         queue_timeout=section.seconds("queue_timeout", 600.0),
         continuous_usage_stats=section.boolean("continuous_usage_stats", True),
+        forward_priority=section.boolean("forward_priority", False),
     )
 
 

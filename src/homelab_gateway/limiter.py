@@ -1,31 +1,72 @@
 """Per-upstream slots: a DeferredSemaphore whose waiters learn their place in line.
 
-Renumbering every waiter on every release costs a frame per waiter per release, quadratic in
-the queue length. Instead a change only schedules one renumbering pass `report_interval`
-later, which tells each waiter whose position moved its new one. A reported position can lag
-the truth by at most that interval and is never lower than the truth, because positions only
-ever fall while a waiter waits. The waiter that gets a slot is told position 1 first if it had
-not been, so a client always sees its position reach 1 before its answer starts.
+Who gets a freed slot is `line.Line`'s decision (classes, aging, fair share, FIFO within a
+client); this module is the Twisted layer around it: Deferreds, the clock, position reports.
+
+Renumbering every waiter on every change costs a frame per waiter per change, quadratic in the
+queue length. Instead a change only schedules one renumbering pass `report_interval` later,
+which tells each waiter whose position moved its new one: a reported position is the truth as
+it stood at most `report_interval` ago. Positions usually fall; one can rise (an interactive
+request or a quieter client's request arrives, a waiter ages into a better class) and the rise
+is told within the same bound. A newcomer is told its exact position at once, and the waiter
+that gets a slot is told position 1 first if it had not been, so a client always sees its
+position reach 1 before its answer starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from twisted.internet.defer import Deferred, DeferredSemaphore
+from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from homelab_gateway.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
+
 PositionListener = Callable[[int], None]
+ANONYMOUS = ""  # the client of a plain `acquire`
+NORMAL = CLASS_RANK[DEFAULT_CLASS]
 
 
 class QueueFull(Exception):
     """The queue already holds `queue_limit` waiters."""
 
 
+class ClientQueueFull(QueueFull):
+    """This client already has `max_waiting` waiters; others may still queue."""
+
+    def __init__(self, client: str, limit: int) -> None:
+        super().__init__(client, limit)
+        self.client = client
+        self.limit = limit
+
+
+@dataclass
+class Slot:
+    """One granted slot. `release` gives it back once and settles its client's fair share with
+    the time it was really held."""
+
+    semaphore: PositionedSemaphore
+    grant: Grant
+    granted_at: float
+    on_release: Callable[[float], None] | None = None  # told the seconds the slot was held
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        held = self.semaphore.clock.seconds() - self.granted_at
+        self.semaphore.line.settle(self.grant, held)
+        if self.on_release is not None:
+            self.on_release(held)
+        self.semaphore.release()
+
+
 class PositionedSemaphore(DeferredSemaphore):
-    """FIFO slots with position reports. Relies on, and its tests pin, the base class's
-    `waiting` list (head is next), its `_cancelAcquire` canceller, and `release` handing the
-    slot to the head waiter synchronously."""
+    """Slots with an ordered line and position reports. Keeps the base class's `limit`,
+    `tokens` (free slots) and `waiting` (the waiters' Deferreds, in arrival order) meaningful for
+    readers, and `acquire`/`release` working as DeferredSemaphore's."""
 
     def __init__(
         self,
@@ -34,80 +75,159 @@ class PositionedSemaphore(DeferredSemaphore):
         *,
         queue_limit: int | None = None,
         report_interval: float = 0.4,
+        aging: float | None = None,
+        weights: Mapping[str, float] = {},
+        max_waiting: Mapping[str, int] = {},
     ) -> None:
         super().__init__(tokens)
-        self._clock = clock
+        self.clock = clock
         self.queue_limit = queue_limit
         self.report_interval = report_interval
-        self._listeners: dict[Deferred[DeferredSemaphore], PositionListener] = {}
-        self._reported: dict[Deferred[DeferredSemaphore], int] = {}
+        self.max_waiting = dict(max_waiting)
+        self.line: Line[Deferred[Slot]] = Line(aging=aging, weights=weights)
+        self._held = 0
+        self._listeners: dict[Deferred[Slot], PositionListener] = {}
+        self._reported: dict[Deferred[Slot], int] = {}
         self._pass: IDelayedCall | None = None
+        self._aging: IDelayedCall | None = None
         self.reports = 0  # position reports made: how many frames the coalescing saves
 
     @property
     def in_use(self) -> int:
-        return self.limit - self.tokens
+        return self._held
+
+    def resize(self, limit: int) -> None:
+        """Change the number of slots (config reload): more slots are granted at once to the
+        waiters next in line; fewer take effect as held slots are released, never revoked."""
+        self.limit = limit
+        self.tokens = max(0, limit - self._held)
+        self._hand_over()
+
+    def acquire(self) -> Deferred[DeferredSemaphore]:
+        """DeferredSemaphore's acquire, as an anonymous `normal` waiter."""
+        d = self.acquire_in_line()
+        return d.addCallback(self._as_semaphore)
+
+    def _as_semaphore(self, slot: Slot) -> DeferredSemaphore:
+        return self
 
     def acquire_in_line(
-        self, on_position: PositionListener | None = None
-    ) -> Deferred[DeferredSemaphore]:
-        """Like `acquire`, telling `on_position` the waiter's 1-based place while it waits.
+        self,
+        on_position: PositionListener | None = None,
+        *,
+        client: str = ANONYMOUS,
+        rank: int = NORMAL,
+    ) -> Deferred[Slot]:
+        """A slot for `client`'s request of class `rank`, telling `on_position` the waiter's
+        1-based place while it waits.
 
-        Raises QueueFull, without queueing, when no slot is free and the line is full.
+        Raises QueueFull (ClientQueueFull for the client's own cap), without queueing, when no
+        slot is free and the line (or the client's share of it) is full.
         """
-        if (
-            not self.tokens
-            and self.queue_limit is not None
-            and len(self.waiting) >= self.queue_limit
-        ):
+        now = self.clock.seconds()
+        if self.tokens:
+            self.tokens -= 1
+            self._held += 1
+            return succeed(Slot(self, self.line.admit(client, rank, now), now))
+        if self.queue_limit is not None and len(self.line) >= self.queue_limit:
             raise QueueFull()
-        d = self.acquire()
-        if d.called or on_position is None:
+        limit = self.max_waiting.get(client)
+        if limit is not None and self.line.waiting_for(client) >= limit:
+            raise ClientQueueFull(client, limit)
+        d: Deferred[Slot] = Deferred(canceller=self._cancelAcquire)
+        self.line.join(d, client, rank, now)
+        self.waiting.append(d)
+        if on_position is None and not self._listeners:
             return d
-        self._listeners[d] = on_position
-        self._tell(d, len(self.waiting))
-        d.addBoth(self._leave_line, d)
+        position = self.line.position(d, now)
+        if on_position is not None:
+            self._listeners[d] = on_position
+            self._tell(d, position)
+            d.addBoth(self._leave_line, d)
+        if position != len(self.line):
+            self._changed()  # it went ahead of someone: they learn it in the next pass
+        self._watch_aging(now)
         return d
 
     def release(self) -> None:
-        super().release()
+        """Free one slot: the line's next waiter gets it at once (synchronously)."""
+        assert self._held > 0, "release without a held slot"
+        self._held -= 1
+        self.tokens = max(0, self.limit - self._held)
+        self._hand_over()
         self._changed()
 
-    def _cancelAcquire(self, d: Deferred[DeferredSemaphore]) -> None:
-        super()._cancelAcquire(d)
+    def _hand_over(self) -> None:
+        now = self.clock.seconds()
+        while self.tokens and len(self.line):
+            popped = self.line.pop(now)
+            assert popped is not None
+            d, grant = popped
+            self._remove_waiting(d)
+            self.tokens -= 1
+            self._held += 1
+            d.callback(Slot(self, grant, now))
+
+    def _remove_waiting(self, d: Deferred[Slot]) -> None:
+        if self.waiting[0] is d:
+            del self.waiting[0]
+        else:
+            self.waiting.remove(d)
+
+    def _cancelAcquire(self, d: Deferred[Slot]) -> None:  # type: ignore[override]
+        self.line.leave(d)
+        self._remove_waiting(d)
         self._changed()
 
-    def _leave_line(self, result: object, d: Deferred[DeferredSemaphore]) -> object:
+    def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
         listener = self._listeners.pop(d)
         last = self._reported.pop(d)
-        if last != 1 and isinstance(result, DeferredSemaphore):
+        if last != 1 and isinstance(result, Slot):
             listener(1)  # it was truly first in line when release handed it the slot
             self.reports += 1
         return result
 
-    def _tell(self, d: Deferred[DeferredSemaphore], position: int) -> None:
+    def _tell(self, d: Deferred[Slot], position: int) -> None:
         self._reported[d] = position
         self.reports += 1
         self._listeners[d](position)
 
     def _changed(self) -> None:
         if self._pass is None and self._listeners:
-            self._pass = self._clock.callLater(self.report_interval, self._renumber)
+            self._pass = self.clock.callLater(self.report_interval, self._renumber)
 
     def _renumber(self) -> None:
         self._pass = None
-        for position, d in enumerate(list(self.waiting), start=1):
-            if d in self._listeners and self._reported[d] != position:
+        now = self.clock.seconds()
+        listeners, reported = self._listeners, self._reported
+        for position, d in enumerate(self.line.order(now), start=1):
+            if d in listeners and reported[d] != position:
                 self._tell(d, position)
+        self._watch_aging(now)
+
+    def _watch_aging(self, now: float) -> None:
+        """Renumber when the next waiter ages into a better class, if that can reorder."""
+        if self._aging is not None or not self._listeners:
+            return
+        at = self.line.next_aging(now)
+        if at is not None:
+            self._aging = self.clock.callLater(max(0.0, at - now), self._aged)
+
+    def _aged(self) -> None:
+        self._aging = None
+        self._changed()
 
     def fail_waiting(self, reason: Exception) -> None:
         """Empty the line, failing every waiter with `reason` (shutdown)."""
         waiting, self.waiting = self.waiting, []
         for d in waiting:
+            self.line.leave(d)
+        for d in waiting:
             d.errback(reason)
 
     def close(self) -> None:
-        """Stop the pending renumbering pass (service shutdown, test cleanup)."""
-        if self._pass is not None and self._pass.active():
-            self._pass.cancel()
-        self._pass = None
+        """Stop the pending renumbering pass and aging timer (service shutdown, test cleanup)."""
+        for call in (self._pass, self._aging):
+            if call is not None and call.active():
+                call.cancel()
+        self._pass = self._aging = None

@@ -181,6 +181,7 @@ class Messages:
         stream = EventStream(request, self.clock, self.ping_interval)
         try:
             slot = await pool.hold_slot(self.clock, record, stream.queue_position)
+            mapped.body.update(pool.upstream_fields(record))
             try:
                 await self._relay(request, record, pool, mapped, stream.send)
             finally:
@@ -203,6 +204,7 @@ class Messages:
     ) -> dict[str, Any]:
         builder = MessageBuilder()
         slot = await pool.hold_slot(self.clock, record)
+        mapped.body.update(pool.upstream_fields(record))
         try:
             await self._relay(None, record, pool, mapped, builder.add)
         finally:

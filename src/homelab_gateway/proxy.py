@@ -37,6 +37,20 @@ HOP_BY_HOP = frozenset(
     }
 )
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+# What a proxy says about the original request. Believed only from a configured trusted proxy:
+# from anyone else they are lies a route's service might act on (its idea of the client's
+# address, scheme or path prefix), so they are dropped and the gateway says its own.
+FORWARDING = frozenset(
+    {
+        b"forwarded",
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+        b"x-forwarded-port",
+        b"x-forwarded-prefix",
+        b"x-real-ip",
+    }
+)
 
 
 def _named_by_connection(headers: list[tuple[bytes, list[bytes]]]) -> set[bytes]:
@@ -57,27 +71,30 @@ def forward_headers(
     proto: str,
     host: bytes | None,
     keep_authorization: bool,
-    drop: bytes | None = None,
+    drop: frozenset[bytes] = frozenset(),
+    trusted: bool = False,
 ) -> dict[bytes, list[bytes]]:
     """The request headers to send upstream: end-to-end ones, plus X-Forwarded-*.
 
-    `drop` names the header that carried the gateway's own API key, which no upstream sees.
+    `drop` names the headers that carry the gateway's own API keys, which no upstream sees.
+    `client_ip` is the peer; only when it is a `trusted` proxy are the forwarding headers it
+    sent kept (its X-Forwarded-For chain extended with the peer, its proto and host believed).
     """
     lowered = [(name.lower(), values) for name, values in headers]
-    skip = set(NOT_FORWARDED) | _named_by_connection(lowered)
-    if drop is not None:
-        skip.add(drop)
+    skip = set(NOT_FORWARDED) | _named_by_connection(lowered) | drop
     if not keep_authorization:
         skip.add(b"authorization")
+    if not trusted:
+        skip |= FORWARDING
     out: dict[bytes, list[bytes]] = {}
     for name, values in lowered:
         if name not in skip:
             out.setdefault(name, []).extend(values)
     prior = b", ".join(out.pop(b"x-forwarded-for", []))
     out[b"x-forwarded-for"] = [prior + b", " + client_ip.encode() if prior else client_ip.encode()]
-    out[b"x-forwarded-proto"] = [proto.encode()]
+    out.setdefault(b"x-forwarded-proto", [proto.encode()])
     if host is not None:
-        out[b"x-forwarded-host"] = [host]
+        out.setdefault(b"x-forwarded-host", [host])
     return out
 
 
@@ -131,7 +148,8 @@ class ReverseProxy:
         record: RequestRecord,
         route: ProxyRoute,
         remainder: bytes,
-        credential_header: bytes | None,
+        credential_headers: frozenset[bytes],
+        trusted_peer: bool,
     ) -> bytes | None:
         record.upstream = route.upstream.name
         query = request.uri.partition(b"?")[2]
@@ -143,7 +161,8 @@ class ReverseProxy:
             proto="https" if request.isSecure() else "http",
             host=request.getHeader(b"host"),
             keep_authorization=route.upstream.api_key is None,
-            drop=credential_header,
+            drop=credential_headers,
+            trusted=trusted_peer,
         )
         body = request.content.read()
         try:

@@ -62,10 +62,20 @@ class Gateway:
                     transparent=False,
                 ),
                 slots=PositionedSemaphore(
-                    upstream.slots, reactor, queue_limit=upstream.queue_limit
+                    upstream.slots,
+                    reactor,
+                    queue_limit=upstream.queue_limit,
+                    aging=config.queue.aging,
+                    weights={c.name: c.weight for c in config.clients.values()},
+                    max_waiting={
+                        c.name: c.max_waiting
+                        for c in config.clients.values()
+                        if c.max_waiting is not None
+                    },
                 ),
                 queue_timeout=upstream.queue_timeout,
                 continuous_usage_stats=upstream.continuous_usage_stats,
+                forward_priority=upstream.forward_priority,
             )
         routes = []
         for route in config.routes:
@@ -89,6 +99,8 @@ class Gateway:
             config.auth.api_keys,
             protect_metrics=config.auth.protect_metrics,
             cors_origins=server.cors_origins,
+            clients=config.clients,
+            trusted_proxies=server.trusted_proxies,
         )
         self.app = GatewayApp(
             models=config.models,

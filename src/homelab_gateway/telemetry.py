@@ -9,6 +9,7 @@ record, nor does any key.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,17 @@ WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 
 request_log = Logger(namespace="homelab_gateway.requests")
+ANONYMOUS_LABEL = "anonymous"
+
+
+def client_label(client: str) -> str:
+    """A client as a metrics label: its key's name, or one label for every address (addresses
+    are unbounded; config refuses client names that are addresses)."""
+    try:
+        ipaddress.ip_address(client)
+    except ValueError:
+        return client or ANONYMOUS_LABEL
+    return ANONYMOUS_LABEL
 
 
 @dataclass
@@ -46,6 +58,10 @@ class RequestRecord:
     outcome: str | None = None  # None until known; "completed" if nothing else was said
     status: int | None = None
     upstream_cancelled: bool = False
+    client: str = ""  # the key's name, or the peer address without keys; never a key
+    priority: str = "normal"  # the class asked for (client's class, lowered by x-priority)
+    served_as: str | None = None  # the class the slot was granted as (aging included)
+    slot_seconds: float | None = None  # how long this request held its slot
 
 
 class _SlotCollector(Collector):
@@ -60,11 +76,30 @@ class _SlotCollector(Collector):
         waiting = GaugeMetricFamily(
             "homelab_gateway_queue_waiting", "Requests waiting for a slot", labels=["upstream"]
         )
+        by_class = GaugeMetricFamily(
+            "homelab_gateway_queue_waiting_by_class",
+            "Requests waiting for a slot, by the class they would be served as now",
+            labels=["upstream", "class"],
+        )
+        by_client = GaugeMetricFamily(
+            "homelab_gateway_queue_waiting_by_client",
+            "Requests waiting for a slot, by client (key-less clients as 'anonymous')",
+            labels=["upstream", "client"],
+        )
         for name, pool in self._pools.items():
             slots.add_metric([name], pool.slots.limit)
             in_use.add_metric([name], pool.slots.in_use)
             waiting.add_metric([name], len(pool.slots.waiting))
-        return [slots, in_use, waiting]
+            line = pool.slots.line
+            for cls, count in line.waiting_by_class(pool.slots.clock.seconds()).items():
+                by_class.add_metric([name, cls], count)
+            clients: dict[str, int] = {}
+            for client, count in line.waiting_by_client().items():
+                label = client_label(client)
+                clients[label] = clients.get(label, 0) + count
+            for label, count in clients.items():
+                by_client.add_metric([name, label], count)
+        return [slots, in_use, waiting, by_class, by_client]
 
 
 class Telemetry:
@@ -83,6 +118,19 @@ class Telemetry:
             "Time spent waiting for a slot",
             ["upstream"],
             buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.class_queue_wait = Histogram(
+            "homelab_gateway_queue_wait_by_class_seconds",
+            "Time spent waiting for a slot, by the class the request was served as",
+            ["upstream", "class"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.client_service = Counter(
+            "homelab_gateway_client_slot_seconds",
+            "Slot time received (seconds a slot was held), by client",
+            ["upstream", "client"],
             registry=self.registry,
         )
         self.first_token = Histogram(
@@ -119,6 +167,12 @@ class Telemetry:
         self.requests.labels(record.upstream, record.surface, record.model, outcome).inc()
         if record.queue_wait is not None and record.upstream:
             self.queue_wait.labels(record.upstream).observe(record.queue_wait)
+            served_as = record.served_as or record.priority
+            self.class_queue_wait.labels(record.upstream, served_as).observe(record.queue_wait)
+        if record.slot_seconds is not None and record.upstream:
+            self.client_service.labels(record.upstream, client_label(record.client)).inc(
+                record.slot_seconds
+            )
         if record.first_token is not None:
             self.first_token.labels(record.upstream, record.model).observe(record.first_token)
         if record.output_tokens:
@@ -141,6 +195,9 @@ class Telemetry:
             "stop_reason": record.stop_reason,
             "outcome": outcome,
             "status": record.status,
+            "client": record.client or None,
+            "priority": record.priority,
+            "served_as": record.served_as,
         }
         # Rendered here with an f-string: twisted.logger's own formatting of a dozen named fields
         # costs more than the rest of a short request. Every field still travels with the event.

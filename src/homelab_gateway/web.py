@@ -68,6 +68,8 @@ class GatewayApp:
             record.outcome, record.status = refusal.outcome, refusal.status
             self.telemetry.finish(record)
             return send_error(request, refusal, anthropic=anthropic)
+        caller = self.access.caller(request)
+        record.client, record.priority = caller.client, caller.priority
         return self.inflight.run(request, record, work(record))
 
     def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
@@ -181,11 +183,14 @@ class GatewayApp:
         stop = self._light(request, protected=self.access.protect_metrics)
         if stop is not None:
             return stop
+        now = self.messages.clock.seconds()
         upstreams = {
             name: {
                 "slots": pool.slots.limit,
                 "in_use": pool.slots.in_use,
                 "waiting": len(pool.slots.waiting),
+                "waiting_by_class": pool.slots.line.waiting_by_class(now),
+                "waiting_by_client": pool.slots.line.waiting_by_client(),
             }
             for name, pool in self.pools.items()
         }
@@ -207,11 +212,12 @@ class GatewayApp:
                 return b""
             return send_error(request, GatewayError(404, "no route for this path"), anthropic=False)
         route, remainder = matched
-        credential = self.access.credential_header(request)
+        credentials = self.access.credential_headers(request)
+        trusted = self.access.peer_trusted(request)
         return self._work(
             request,
             "proxy",
-            lambda r: self.proxy.forward(request, r, route, remainder, credential),
+            lambda r: self.proxy.forward(request, r, route, remainder, credentials, trusted),
             anthropic=False,
         )
 

@@ -1,0 +1,271 @@
+"""The order of the line: priority classes, aging, and fair share between clients (sans-IO).
+
+`Line` decides which waiter a free slot goes to. It holds no timers and never reads a clock:
+every call that depends on time takes `now`, so the policy is tested on plain numbers and the
+Twisted limiter (`limiter.PositionedSemaphore`) stays a thin layer around it.
+
+The order, best first:
+
+1. **Class**: a waiter of a better class (`interactive` < `normal` < `batch`) goes first. A
+   waiter that has waited `aging` seconds counts as one class better, and one more for every
+   further `aging` seconds, so `batch` work is never starved by steady higher-class load.
+2. **Fair share** between the clients of one (effective) class, measured in slot-seconds received
+   (start-time fair queueing): each client has a virtual finish `F` that grows by the slot time
+   it received divided by its weight; the client whose next start `max(V, F)` is lowest goes
+   first, where `V` is the virtual time of the last grant. A client that was idle starts at `V`:
+   it banks no credit for idleness, which is what "a recent window" means here. The slot time of
+   a request is not known when it is granted, so the grant charges the client's running estimate
+   and the release corrects the charge with the time the slot was really held.
+3. **FIFO** within one client and one class.
+
+With one client and one class every step above is a tie but the last: the line is a FIFO, and
+every operation on it is O(1) except `order`, which is one O(n) walk.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+CLASSES = ("interactive", "normal", "batch")
+DEFAULT_CLASS = "normal"
+CLASS_RANK = {name: rank for rank, name in enumerate(CLASSES)}
+# Slot-seconds a client's first request is assumed to hold before any has finished.
+INITIAL_ESTIMATE = 1.0
+ESTIMATE_SMOOTHING = 0.2  # weight of the newest hold time in a client's running estimate
+
+T = TypeVar("T", bound=Hashable)
+
+
+def effective_rank(rank: int, waited: float, aging: float | None) -> int:
+    """The class a waiter is served as after waiting `waited` seconds."""
+    if aging is None or waited < aging:
+        return rank
+    return max(0, rank - int(waited // aging))
+
+
+@dataclass(slots=True)
+class Waiter(Generic[T]):
+    item: T
+    client: str
+    rank: int  # index into CLASSES
+    arrived: float
+    seq: int
+
+
+@dataclass(slots=True)
+class Grant:
+    """What a granted waiter was charged, for `Line.settle` when its slot is released."""
+
+    client: str
+    rank: int  # the class it was served as (aging included)
+    waited: float
+    charged: float
+
+
+@dataclass
+class _Client:
+    weight: float
+    finish: float = 0.0  # virtual finish of its last grant
+    estimate: float = INITIAL_ESTIMATE
+    waiting: int = 0
+    queues: dict[int, deque[Waiter]] = field(default_factory=dict)  # rank -> FIFO
+
+
+class Line(Generic[T]):
+    """Who is served next, and in what order everyone waiting would be served."""
+
+    def __init__(self, *, aging: float | None = None, weights: Mapping[str, float] = {}) -> None:
+        self.aging = aging
+        self.weights = dict(weights)
+        self._clients: dict[str, _Client] = {}
+        self._waiters: dict[T, Waiter[T]] = {}
+        self._virtual = 0.0
+        self._seq = 0
+        self._queues = 0  # non-empty (client, class) FIFOs
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._waiters
+
+    def _client(self, name: str) -> _Client:
+        client = self._clients.get(name)
+        if client is None:
+            client = self._clients[name] = _Client(weight=self.weights.get(name, 1.0))
+        return client
+
+    def waiting_for(self, client: str) -> int:
+        found = self._clients.get(client)
+        return 0 if found is None else found.waiting
+
+    def join(self, item: T, client: str, rank: int, now: float) -> None:
+        self._seq += 1
+        waiter = Waiter(item, client, rank, now, self._seq)
+        self._waiters[item] = waiter
+        state = self._client(client)
+        queue = state.queues.get(rank)
+        if queue is None:
+            queue = state.queues[rank] = deque()
+            self._queues += 1
+        queue.append(waiter)
+        state.waiting += 1
+
+    def leave(self, item: T) -> None:
+        """Remove a waiter that gave up (cancelled, timed out). O(its client's queue)."""
+        waiter = self._waiters.pop(item)
+        state = self._clients[waiter.client]
+        queue = state.queues[waiter.rank]
+        if queue[0] is waiter:
+            queue.popleft()
+        else:
+            queue.remove(waiter)
+        self._forget(state, waiter)
+
+    def _forget(self, state: _Client, waiter: Waiter[T]) -> None:
+        state.waiting -= 1
+        if not state.queues[waiter.rank]:
+            del state.queues[waiter.rank]
+            self._queues -= 1
+        if not state.waiting and not state.queues and state.finish <= self._virtual:
+            # Idle and owing nothing: it would start at V anyway. Keeps the table small when
+            # clients are peer addresses.
+            del self._clients[waiter.client]
+
+    def _best_head(self, now: float) -> tuple[tuple[int, float, int], Waiter[T]] | None:
+        best: tuple[tuple[int, float, int], Waiter[T]] | None = None
+        for state in self._clients.values():
+            if not state.queues:
+                continue
+            start = max(self._virtual, state.finish)
+            for queue in state.queues.values():
+                head = queue[0]
+                key = (effective_rank(head.rank, now - head.arrived, self.aging), start, head.seq)
+                if best is None or key < best[0]:
+                    best = (key, head)
+        return best
+
+    def pop(self, now: float) -> tuple[T, Grant] | None:
+        """The waiter a free slot goes to now, charged the slot time its client is expected to
+        hold; None if nobody waits."""
+        best = self._best_head(now)
+        if best is None:
+            return None
+        (rank, start, _), waiter = best
+        state = self._clients[waiter.client]
+        state.queues[waiter.rank].popleft()
+        del self._waiters[waiter.item]
+        self._virtual = max(self._virtual, start)
+        state.finish = start + state.estimate / state.weight
+        grant = Grant(waiter.client, rank, now - waiter.arrived, state.estimate)
+        self._forget(state, waiter)
+        return waiter.item, grant
+
+    def admit(self, client: str, rank: int, now: float) -> Grant:
+        """A request that found a free slot: it skips the line but its service still counts."""
+        state = self._client(client)
+        start = max(self._virtual, state.finish)
+        self._virtual = start
+        state.finish = start + state.estimate / state.weight
+        return Grant(client, rank, 0.0, state.estimate)
+
+    def settle(self, grant: Grant, held: float) -> None:
+        """Correct a grant's charge with the time its slot was really held."""
+        state = self._client(grant.client)
+        state.finish += (held - grant.charged) / state.weight
+        state.estimate += ESTIMATE_SMOOTHING * (held - state.estimate)
+        if not state.waiting and not state.queues and state.finish <= self._virtual:
+            del self._clients[grant.client]
+
+    def order(self, now: float) -> Iterator[T]:
+        """Everyone waiting, in the order they would be served if nothing else arrived and no
+        estimate changed: the position of a waiter is its index here plus one.
+
+        One queue (one client, one class): a plain walk. Otherwise a merge of the per-client
+        FIFOs on a heap of their heads, replaying `pop`'s choice on copies of the virtual
+        clocks: O(n log q) for q queues.
+        """
+        queues = [
+            (state, queue) for state in self._clients.values() for queue in state.queues.values()
+        ]
+        if len(queues) == 1:
+            yield from (waiter.item for waiter in queues[0][1])
+            return
+        virtual = self._virtual
+        finish = {id(state): state.finish for state, _ in queues}
+        heap: list[tuple[int, float, int, int, int]] = []
+        for index, (state, queue) in enumerate(queues):
+            head = queue[0]
+            start = max(virtual, finish[id(state)])
+            rank = effective_rank(head.rank, now - head.arrived, self.aging)
+            heap.append((rank, start, head.seq, index, 0))
+        heapq.heapify(heap)
+        while heap:
+            rank, start, seq, index, position = heap[0]
+            state, queue = queues[index]
+            current = max(virtual, finish[id(state)])
+            if current > start:  # its client was served meanwhile: its key moved back
+                heapq.heapreplace(heap, (rank, current, seq, index, position))
+                continue
+            waiter = queue[position]
+            yield waiter.item
+            virtual = max(virtual, start)
+            finish[id(state)] = start + state.estimate / state.weight
+            if position + 1 < len(queue):
+                after = queue[position + 1]
+                rank = effective_rank(after.rank, now - after.arrived, self.aging)
+                heapq.heapreplace(
+                    heap,
+                    (rank, max(virtual, finish[id(state)]), after.seq, index, position + 1),
+                )
+            else:
+                heapq.heappop(heap)
+
+    def position(self, item: T, now: float) -> int:
+        """One waiter's 1-based place in `order`: O(1) at the tail of a single queue, else a
+        walk that stops at the waiter."""
+        waiter = self._waiters[item]
+        state = self._clients[waiter.client]
+        if self._queues == 1 and state.queues[waiter.rank][-1] is waiter:
+            return len(self._waiters)
+        for place, other in enumerate(self.order(now), start=1):
+            if other is item:
+                return place
+        raise KeyError(item)
+
+    def next_aging(self, now: float) -> float | None:
+        """When the next waiter moves up a class, if that can change the order (more than one
+        queue waits); the limiter renumbers then."""
+        if self.aging is None:
+            return None
+        if self._queues < 2:
+            return None
+        queues = [queue for state in self._clients.values() for queue in state.queues.values()]
+        soonest: float | None = None
+        for queue in queues:
+            for waiter in queue:
+                if waiter.rank == 0:
+                    break
+                waited = now - waiter.arrived
+                steps = int(waited // self.aging) + 1
+                if steps > waiter.rank:
+                    continue
+                at = waiter.arrived + steps * self.aging
+                if soonest is None or at < soonest:
+                    soonest = at
+                break  # later arrivals in this FIFO cross later
+        return soonest
+
+    def waiting_by_class(self, now: float) -> dict[str, int]:
+        """Waiters per class they would be served as now (aging included)."""
+        counts = dict.fromkeys(CLASSES, 0)
+        for waiter in self._waiters.values():
+            counts[CLASSES[effective_rank(waiter.rank, now - waiter.arrived, self.aging)]] += 1
+        return counts
+
+    def waiting_by_client(self) -> dict[str, int]:
+        return {name: state.waiting for name, state in self._clients.items() if state.waiting}
