@@ -207,11 +207,16 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _watch_aging(self, now: float) -> None:
         """Renumber when the next waiter ages into a better class, if that can reorder."""
-        if self._aging is not None or not self._listeners:
+        if not self._listeners:
             return
         at = self.line.next_aging(now)
-        if at is not None:
-            self._aging = self.clock.callLater(max(0.0, at - now), self._aged)
+        if at is None:
+            return
+        if self._aging is not None:
+            if self._aging.getTime() <= at:
+                return
+            self._aging.cancel()
+        self._aging = self.clock.callLater(max(0.0, at - now), self._aged)
 
     def _aged(self) -> None:
         self._aging = None

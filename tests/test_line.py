@@ -1,0 +1,283 @@
+"""The line's order (sans-IO) and the limiter around it on a Clock: hypothesis properties."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
+from homelab_gateway.line import CLASS_RANK, Line, effective_rank
+
+INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
+INTERVAL = 0.4
+STEP = 0.05
+
+
+class LineUnit(TestCase):
+    def test_one_client_one_class_is_fifo(self) -> None:
+        line: Line[str] = Line(aging=10)
+        for name in "abcd":
+            line.join(name, "c", NORMAL, 0.0)
+        self.assertEqual(list(line.order(0.0)), list("abcd"))
+        self.assertEqual(line.position("d", 0.0), 4)
+        popped = [line.pop(100.0) for _ in range(4)]
+        self.assertEqual([p[0] for p in popped if p], list("abcd"))
+        self.assertIsNone(line.pop(100.0))
+
+    def test_a_better_class_goes_first_and_a_lower_one_last(self) -> None:
+        line: Line[str] = Line(aging=100)
+        line.join("n1", "a", NORMAL, 0.0)
+        line.join("b1", "b", BATCH, 0.0)
+        line.join("i1", "c", INTERACTIVE, 1.0)
+        self.assertEqual(list(line.order(1.0)), ["i1", "n1", "b1"])
+
+    def test_aging_serves_a_waiter_as_the_class_above_per_period(self) -> None:
+        self.assertEqual(effective_rank(BATCH, 9.9, 10), BATCH)
+        self.assertEqual(effective_rank(BATCH, 10, 10), NORMAL)
+        self.assertEqual(effective_rank(BATCH, 25, 10), INTERACTIVE)
+        self.assertEqual(effective_rank(BATCH, 1e9, None), BATCH)
+        line: Line[str] = Line(aging=10)
+        line.join("old-batch", "a", BATCH, 0.0)
+        line.join("new-normal", "b", NORMAL, 5.0)
+        self.assertEqual(list(line.order(9.0)), ["new-normal", "old-batch"])
+        self.assertEqual(list(line.order(10.0)), ["old-batch", "new-normal"])
+        self.assertEqual(line.next_aging(9.0), 10.0)
+
+    def test_a_client_that_held_slots_longer_waits_behind_one_that_did_not(self) -> None:
+        line: Line[str] = Line()
+        heavy = line.admit("heavy", NORMAL, 0.0)
+        line.settle(heavy, 30.0)  # it held a slot for 30 s
+        line.join("h1", "heavy", NORMAL, 30.0)
+        line.join("h2", "heavy", NORMAL, 30.0)
+        line.join("l1", "light", NORMAL, 31.0)
+        self.assertEqual(list(line.order(31.0)), ["l1", "h1", "h2"])
+
+    def test_idle_clients_are_forgotten_and_bank_no_credit(self) -> None:
+        line: Line[str] = Line()
+        grant = line.admit("a", NORMAL, 0.0)
+        line.settle(grant, 0.0)
+        self.assertEqual(line._clients, {})  # nothing owed, nothing waiting: nothing kept
+
+
+@dataclass
+class Sim:
+    """A limiter on a Clock with scripted arrivals; records what a client would see."""
+
+    slots: int
+    aging: float | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    clock: Clock = field(default_factory=Clock)
+    sem: PositionedSemaphore = field(init=False)
+    granted: list[tuple[int, str, int, float]] = field(default_factory=list)  # id, client, rank
+    joined: dict[int, tuple[str, int, float]] = field(default_factory=dict)
+    reports: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    service: dict[str, float] = field(default_factory=dict)
+    pending: dict[int, Deferred[Slot]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sem = PositionedSemaphore(
+            self.slots, self.clock, report_interval=INTERVAL, aging=self.aging, weights=self.weights
+        )
+
+    def arrive(self, i: int, client: str, rank: int, hold: float) -> None:
+        self.joined[i] = (client, rank, self.clock.seconds())
+        self.reports[i] = []
+        d = self.sem.acquire_in_line(
+            lambda p: self.reports[i].append((self.clock.seconds(), p)), client=client, rank=rank
+        )
+        self.pending[i] = d
+
+        def got(slot: Slot) -> None:
+            del self.pending[i]
+            self.granted.append((i, client, rank, self.clock.seconds()))
+            self.service[client] = self.service.get(client, 0.0) + hold
+            self.clock.callLater(hold, slot.release)
+
+        def gave_up(_: object) -> None:
+            del self.pending[i]
+
+        d.addCallbacks(got, gave_up)
+
+    def truth(self) -> dict[int, int]:
+        ids = {id(d): i for i, d in self.pending.items()}
+        now = self.clock.seconds()
+        return {ids[id(d)]: k for k, d in enumerate(self.sem.line.order(now), start=1)}
+
+    def check_idle_slots(self, test: TestCase) -> None:
+        if self.sem.in_use < self.sem.limit:
+            test.assertEqual(len(self.sem.waiting), 0, "a slot idles while someone waits")
+
+
+arrival = st.tuples(
+    st.sampled_from([0.0, 0.0, 0.05, 0.2, 1.0]),  # gap before it
+    st.sampled_from(["a", "b", "c"]),
+    st.sampled_from([INTERACTIVE, NORMAL, BATCH]),
+    st.sampled_from([0.05, 0.3, 1.0, 3.0]),  # slot time it holds
+    st.booleans(),  # it gives up after a while
+)
+
+
+class LimiterProperties(TestCase):
+    @settings(max_examples=60)
+    @given(st.lists(arrival, min_size=1, max_size=40), st.integers(1, 3))
+    def test_work_conserving_fifo_per_client_and_honest_positions(
+        self, arrivals: list[Any], slots: int
+    ) -> None:
+        sim = Sim(slots, aging=4.0)
+        history: deque[tuple[float, dict[int, int]]] = deque()
+        script = deque(enumerate(arrivals))
+        next_at = 0.0
+        renumber = sim.sem._renumber
+
+        def sampled_renumber() -> None:  # the truth a pass sees, however briefly it held
+            history.append((sim.clock.seconds(), sim.truth()))
+            renumber()
+
+        sim.sem._renumber = sampled_renumber  # type: ignore[method-assign]
+        while script or sim.pending or sim.sem.in_use:
+            now = sim.clock.seconds()
+            history.append((now, sim.truth()))  # the truth just before this instant's arrivals
+            while script and now >= next_at:
+                i, (_gap, client, rank, hold, gives_up) = script.popleft()
+                sim.arrive(i, client, rank, hold)
+                if gives_up and i in sim.pending:
+                    sim.clock.callLater(2.5, sim.pending[i].cancel)
+                next_at = now + (script[0][1][0] if script else 0)
+                history.append((now, sim.truth()))
+                newcomer = sim.reports[i]
+                if newcomer:
+                    self.assertEqual(newcomer[0][1], sim.truth()[i], "a newcomer's first report")
+            sim.check_idle_slots(self)
+            truth = sim.truth()
+            history.append((now, truth))
+            while history and history[0][0] < now - INTERVAL - STEP:
+                history.popleft()
+            for i in sim.pending:
+                reported = sim.reports[i][-1][1]
+                seen = [t[i] for _, t in history if i in t]
+                self.assertGreaterEqual(reported, min(seen), "lower than the truth in the bound")
+                self.assertLessEqual(reported, max(seen), "staler than the bound")
+            sim.clock.advance(STEP)
+        for i, _, _, _ in sim.granted:
+            self.assertEqual(sim.reports[i][-1][1] if sim.reports[i] else 1, 1)
+        for client in "abc":
+            for rank in (INTERACTIVE, NORMAL, BATCH):
+                served = [i for i, c, r, _ in sim.granted if c == client and r == rank]
+                self.assertEqual(served, sorted(served), "FIFO within a client and class")
+        sim.sem.close()
+        self.assertEqual(sim.sem.in_use, 0)
+
+    @settings(max_examples=30)
+    @given(st.lists(st.tuples(st.sampled_from([0.0, 0.1, 0.5]), st.floats(0.01, 2)), max_size=60))
+    def test_one_client_one_class_is_exactly_fifo(self, arrivals: list[Any]) -> None:
+        sim = Sim(2, aging=1.0)
+        for i, (gap, hold) in enumerate(arrivals):
+            sim.clock.advance(gap)
+            sim.arrive(i, "only", NORMAL, hold)
+        while sim.pending or sim.sem.in_use:
+            sim.clock.advance(STEP)
+        self.assertEqual([g[0] for g in sim.granted], list(range(len(arrivals))))
+        sim.sem.close()
+
+    @settings(max_examples=20)
+    @given(st.floats(1.0, 20.0), st.sampled_from([0.2, 0.5, 1.0]))
+    def test_batch_is_served_within_two_aging_periods_under_steady_interactive_load(
+        self, aging: float, hold: float
+    ) -> None:
+        sim = Sim(1, aging=aging)
+        n = 0
+
+        def keep_busy() -> None:  # the interactive client always has two more waiting
+            nonlocal n
+            while sum(1 for i in sim.pending if sim.joined[i][0] == "chat") < 2:
+                sim.arrive(n, "chat", INTERACTIVE, hold)
+                n += 1
+
+        keep_busy()
+        sim.arrive(10**6, "nightly", BATCH, hold)
+        while 10**6 in sim.pending:
+            sim.clock.advance(STEP)
+            keep_busy()
+        waited = next(t for i, _, _, t in sim.granted if i == 10**6)
+        self.assertLessEqual(waited, 2 * aging + hold + STEP)
+        self.assertGreater(waited, aging, "it overtook interactive work before aging")
+        sim.clock.advance(10 * hold)
+        sim.sem.close()
+
+    @settings(max_examples=27)
+    @given(
+        st.sampled_from([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)]),
+        st.sampled_from([(0.1, 1.0), (1.0, 1.0), (2.0, 0.2)]),
+        st.integers(1, 3),
+    )
+    def test_slot_time_follows_the_weights_not_the_request_count(
+        self, weights: tuple[float, float], holds: tuple[float, float], slots: int
+    ) -> None:
+        """Two clients always backlogged, one's requests maybe 10x longer: over a long run each
+        gets slot time in proportion to its weight, within 10 %."""
+        sim = Sim(slots, aging=None, weights={"a": weights[0], "b": weights[1]})
+        hold = {"a": holds[0], "b": holds[1]}
+        n = 0
+        while sim.clock.seconds() < 300:
+            for client in "ab":
+                while sum(1 for i in sim.pending if sim.joined[i][0] == client) < 3:
+                    sim.arrive(n, client, NORMAL, hold[client])
+                    n += 1
+            sim.check_idle_slots(self)
+            sim.clock.advance(STEP)
+        share = sim.service["a"] / (sim.service["a"] + sim.service["b"])
+        expected = weights[0] / sum(weights)
+        self.assertLessEqual(abs(share - expected), 0.1 * expected, f"share {share:.3f}")
+        for d in list(sim.pending.values()):
+            d.cancel()
+        sim.clock.advance(10)
+        sim.sem.close()
+
+
+class Limits(TestCase):
+    def test_max_waiting_refuses_that_client_alone(self) -> None:
+        clock = Clock()
+        sem = PositionedSemaphore(1, clock, max_waiting={"script": 2})
+        sem.acquire_in_line(client="script")
+        sem.acquire_in_line(client="script")
+        sem.acquire_in_line(client="script")
+        with self.assertRaises(ClientQueueFull) as raised:
+            sem.acquire_in_line(client="script")
+        self.assertEqual((raised.exception.client, raised.exception.limit), ("script", 2))
+        self.assertIsInstance(raised.exception, QueueFull)
+        sem.acquire_in_line(client="chat")
+        self.assertEqual(len(sem.waiting), 3)
+
+    def test_resize_grants_new_slots_at_once_and_never_revokes(self) -> None:
+        clock = Clock()
+        sem = PositionedSemaphore(1, clock)
+        held = [sem.acquire_in_line()]
+        waiting = [sem.acquire_in_line() for _ in range(3)]
+        sem.resize(3)
+        self.assertEqual([d.called for d in waiting], [True, True, False])
+        self.assertEqual(sem.in_use, 3)
+        sem.resize(1)
+        self.assertEqual(sem.in_use, 3, "held slots are never revoked")
+        held[0].result.release()
+        waiting[0].result.release()
+        self.assertFalse(waiting[2].called, "two held, one slot: nobody new gets one")
+        waiting[1].result.release()
+        self.assertTrue(waiting[2].called)
+        waiting[2].result.release()
+        self.assertEqual((sem.in_use, sem.tokens), (0, 1))
+        sem.close()
+
+    def test_a_slot_released_twice_frees_one_slot(self) -> None:
+        clock = Clock()
+        sem = PositionedSemaphore(1, clock)
+        slot = self.successResultOf(sem.acquire_in_line())
+        slot.release()
+        slot.release()
+        self.assertEqual((sem.in_use, sem.tokens), (0, 1))
