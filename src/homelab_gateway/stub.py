@@ -60,6 +60,8 @@ class StubSettings:
     content_tokens: int = 8
     reasoning_field: str = "reasoning"  # reasoning | reasoning_content | both
     models: tuple[str, ...] = ()  # empty: answer any model name
+    # vLLM's --scheduling-policy: "fcfs" refuses a non-zero `priority`, "priority" takes it.
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass
@@ -455,6 +457,17 @@ class StubResource(Resource):
             request.setResponseCode(404)
             return _error_body(404, f"no route for POST {path.decode()}")
         model = body.get("model")
+        priority = body.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            request.setResponseCode(400)
+            return _error_body(400, "priority: Input should be a valid integer")
+        if priority != 0 and self.settings.scheduling_policy != "priority":
+            # vLLM's protocol: "Any priority other than 0 will raise an error if the served
+            # model does not use priority scheduling."
+            request.setResponseCode(400)
+            return _error_body(
+                400, f"Got priority {priority} but Priority scheduling is not enabled."
+            )
         if self.settings.models and model not in self.settings.models:
             request.setResponseCode(404)
             return _error_body(404, f"The model `{model}` does not exist.")
@@ -471,6 +484,7 @@ class StubResource(Resource):
             stream=bool(body.get("stream")),
             scenario=generation.scenario,
             user=body.get("user"),
+            priority=body.get("priority"),
         )
         refusal = {
             "error500": (500, "stub: internal error before the stream"),
