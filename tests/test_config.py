@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from homelab_gateway.config import ConfigError, load_config, parse_config
+from homelab_gateway.config import ConfigError, auth_key_name, load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,3 +179,79 @@ def test_api_keys_from_env_and_file_add_up(tmp_path: Path) -> None:
 def test_empty_config_is_valid_and_listens_on_loopback() -> None:
     config = parse_config({}, environ={})
     assert config.server.listen == "tcp:8080:interface=127.0.0.1"
+
+
+FAIR = """
+[server]
+trusted_proxies = ["127.0.0.1/32", "fd00::/8"]
+
+[upstreams.vllm]
+url = "http://127.0.0.1:8000/v1"
+slots = 2
+forward_priority = true
+
+[clients.frontend]
+key_env = "FRONTEND_KEY"
+priority = "interactive"
+weight = 2
+max_waiting = 16
+
+[clients.scripts]
+key_sha256 = "%s"
+priority = "batch"
+
+[queue]
+aging = 90
+"""
+
+
+def test_the_fair_line_keys_parse() -> None:
+    digest = hashlib.sha256(b"nightly").hexdigest()
+    config = parse_config(tomllib.loads(FAIR % digest), environ={"FRONTEND_KEY": "front"})
+    assert config.server.trusted_proxies == ("127.0.0.1/32", "fd00::/8")
+    assert config.upstreams["vllm"].forward_priority is True
+    assert config.queue.aging == 90.0
+    frontend, scripts = config.clients["frontend"], config.clients["scripts"]
+    assert frontend.key_sha256 == hashlib.sha256(b"front").digest()
+    assert (frontend.priority, frontend.weight, frontend.max_waiting) == ("interactive", 2.0, 16)
+    assert scripts.key_sha256 == bytes.fromhex(digest)
+    assert (scripts.priority, scripts.weight, scripts.max_waiting) == ("batch", 1.0, None)
+
+
+def test_fair_line_defaults() -> None:
+    config = parse_config({}, environ={})
+    assert config.clients == {} and config.queue.aging == 120.0
+    assert config.server.trusted_proxies == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[server]\ntrusted_proxies = ['nginx']", "server.trusted_proxies: 'nginx' is not an IP"),
+        ("[server]\ntrusted_proxies = '127.0.0.1'", "server.trusted_proxies: must be an array"),
+        ("[clients.a]\npriority = 'normal'", "clients.a: needs exactly one of 'key_env'"),
+        ("[clients.a]\nkey_env = 'NOPE'", "clients.a.key_env: environment variable NOPE"),
+        ("[clients.a]\nkey_sha256 = 'abc'", "clients.a.key_sha256: must be the 64 hex digits"),
+        ("[clients.a]\nkey_env = 'K'\npriority = 'urgent'", "clients.a.priority: must be one of"),
+        ("[clients.a]\nkey_env = 'K'\nweight = 0", "clients.a.weight: must be a positive number"),
+        ("[clients.a]\nkey_env = 'K'\nmax_waiting = -1", "clients.a.max_waiting: must be an"),
+        ("[clients.a]\nkey_env = 'K'\nkey = 'x'", "clients.a.key: unknown key"),
+        ('[clients."10.0.0.2"]\nkey_env = "K"', 'clients."10.0.0.2": a client name is'),
+        ("[clients.key-1]\nkey_env = 'K'", "clients.key-1: a client name is"),
+        ("[clients.a]\nkey_env = 'K'\n[clients.b]\nkey_env = 'K'", "clients.b: has the same key"),
+        ("[queue]\naging = 0", "queue.aging: must be a positive number"),
+        ("[queue]\nlength = 3", "queue.length: unknown key"),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nforward_priority = 1",
+            "upstreams.v.forward_priority: must be true or false",
+        ),
+    ],
+)
+def test_fair_line_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    assert error(tmp_path, text, environ={"K": "key"}).startswith(expected)
+
+
+def test_auth_keys_are_named_by_a_digest_prefix_not_the_key() -> None:
+    name = auth_key_name("sekrit")
+    assert name == "key-" + hashlib.sha256(b"sekrit").hexdigest()[:8]
+    assert "sekrit" not in name
