@@ -10,6 +10,9 @@ writes JSON (bench/results/). These are measurements, not tests: nothing here fa
   3 queue          5,000 streams behind slots = 2: FIFO, RSS and CPU per request, frames, staleness
   4 cancellation   100 streams cut at random: client close -> stub logs `cancelled`
   5 slow reader    1 KB/s from a 10 MB stream: the gateway's RSS over time
+  6 fair share     two equal-weight clients flood slots = 2 (one's requests 4x longer) while an
+                   interactive client asks every 0.5 s: slot-time shares and Jain's index, the
+                   interactive client's wait p50/p95, with named clients and then as one FIFO
 
 `--target URL --model NAME` runs scenarios 1 and 2 against any Anthropic-compatible endpoint
 instead (e.g. another gateway), with nothing started here.
@@ -23,11 +26,13 @@ import json
 import os
 import pstats
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
+import urllib.request
+from datetime import datetime, timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -325,6 +330,143 @@ async def wait_status(gateway: str, upstream: str, condition: Any, timeout: floa
         await asyncio.sleep(0.02)
 
 
+# -- 6. fair share ------------------------------------------------------------------------------
+
+FAIR_KEYS = {"BENCH_A": "a-key", "BENCH_B": "b-key", "BENCH_CHAT": "chat-key", "BENCH_FIFO": "f"}
+
+
+def fair_config(paced: str) -> str:
+    return f"""
+[upstreams.fair]
+url = "{paced}"
+slots = 2
+queue_limit = 1000
+
+[models.fair]
+upstream = "fair"
+
+[clients.flood-a]
+key_env = "BENCH_A"
+
+[clients.flood-b]
+key_env = "BENCH_B"
+
+[clients.chat]
+key_env = "BENCH_CHAT"
+priority = "interactive"
+
+[clients.fifo]
+key_env = "BENCH_FIFO"
+"""
+
+
+def jain(values: list[float]) -> float:
+    """Jain's fairness index: 1 when all get the same, 1/n when one gets everything."""
+    total = sum(values)
+    squares = sum(v * v for v in values)
+    return total * total / (len(values) * squares) if squares else float("nan")
+
+
+def slot_seconds(gateway: str) -> dict[str, float]:
+    """The gateway's own measure, homelab_gateway_client_slot_seconds_total, per client."""
+    with urllib.request.urlopen(gateway + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("homelab_gateway_client_slot_seconds_total{"):
+            client = re.search(r'client="([^"]*)"', line)
+            if client is not None:
+                found[client.group(1)] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def upstream_seconds(stub_log: Path, since: datetime, until: datetime) -> dict[str, float]:
+    """Seconds the upstream spent on each tag's requests (metadata.user_id) between `since` and
+    `until`, from the stub's log: the GPU time a client got while both were flooding (the
+    backlog that drains after the window would otherwise favour the longer requests)."""
+    started: dict[str, tuple[str, datetime]] = {}
+    spent: dict[str, float] = {}
+    for line in stub_log.read_text().splitlines():
+        stamp, event, *fields = line.split()
+        values = dict(field.split("=", 1) for field in fields if "=" in field)
+        at = datetime.fromisoformat(stamp)
+        if event == "start":
+            started[values["id"]] = (values.get("user", ""), at)
+        elif values.get("id") in started:
+            user, began = started.pop(values["id"])
+            inside = (min(at, until) - max(began, since)).total_seconds()
+            spent[user] = spent.get(user, 0.0) + max(0.0, inside)
+    return spent
+
+
+async def fair_share(gateway: str, stub_log: Path, seconds: float) -> dict[str, Any]:
+    """The same load twice: as three named clients (the fair line), then all under one key (one
+    client, one class: FIFO). A client's share is the upstream time its requests took."""
+    url = gateway + "/llm/v1/messages"
+
+    async def phase(name: str, keys: dict[str, str]) -> dict[str, Any]:
+        since = datetime.now()
+        stop = time.monotonic() + seconds
+        waits: list[float] = []
+        held: dict[str, float] = {}
+
+        async def sample_slot_time() -> None:
+            before = await asyncio.to_thread(slot_seconds, gateway)
+            await asyncio.sleep(seconds)
+            after = await asyncio.to_thread(slot_seconds, gateway)
+            held.update({k: v - before.get(k, 0.0) for k, v in after.items()})
+
+        async def flood(client: str, max_tokens: int) -> None:
+            while time.monotonic() < stop:
+                body = anthropic_body(
+                    "fair", "content-only", max_tokens, metadata={"user_id": f"{name}-{client}"}
+                )
+                await request(url, body, headers={"x-api-key": keys[client]})
+
+        async def chat() -> None:
+            while time.monotonic() < stop:
+                body = anthropic_body("fair", "content-only", 8)
+                result = await request(url, body, headers={"x-api-key": keys["chat"]})
+                start = result.first(lambda f: f.event == "message_start")
+                if start is not None:
+                    waits.append(start.at - result.sent)
+                await asyncio.sleep(0.5)
+
+        await asyncio.gather(
+            *(flood("a", 40) for _ in range(8)),
+            *(flood("b", 10) for _ in range(8)),
+            chat(),
+            sample_slot_time(),
+        )
+        spent = upstream_seconds(stub_log, since, since + timedelta(seconds=seconds))
+        a, b = spent.get(f"{name}-a", 0.0), spent.get(f"{name}-b", 0.0)
+        slot_a, slot_b = held.get("flood-a", 0.0), held.get("flood-b", 0.0)
+        gateway_view = (
+            {
+                "slot_s_a_b": f"{slot_a:.1f} / {slot_b:.1f}",
+                "slot_share_a": round(slot_a / (slot_a + slot_b), 3),
+                "slot_jain": round(jain([slot_a, slot_b]), 4),
+            }
+            if slot_a + slot_b
+            else {}  # one key for everyone: the gateway cannot tell the floods apart
+        )
+        return {
+            **gateway_view,
+            "upstream_s_a_b": f"{a:.1f} / {b:.1f}",
+            "upstream_share_a": round(a / (a + b), 3),
+            "upstream_jain": round(jain([a, b]), 4),
+            "interactive_wait_p50_s": round(percentile(waits, 50), 3),
+            "interactive_wait_p95_s": round(percentile(waits, 95), 3),
+            "interactive_requests": len(waits),
+        }
+
+    fair = await phase("fair", {"a": "a-key", "b": "b-key", "chat": "chat-key"})
+    fifo = await phase("fifo", {"a": "f", "b": "f", "chat": "f"})
+    return {"seconds_each": seconds, **{f"fair_{k}": v for k, v in fair.items()}} | {
+        f"fifo_{k}": v for k, v in fifo.items()
+    }
+
+
 # -- 4. cancellation ----------------------------------------------------------------------------
 
 
@@ -473,6 +615,7 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         report["5_slow_reader"] = asyncio.run(slow_reader(url, big, stats, args.slow_seconds))
         gateway.stop()
         processes.remove(gateway)
+        report["6_fair_share"] = run_fair_share(workdir, processes, args.fair_seconds)
         if args.profile:
             print("profile ...", file=sys.stderr)
             report["profile"] = profile_pass(workdir, gateway_config, fast)
@@ -480,6 +623,21 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         for process in processes:
             process.stop()
+
+
+def run_fair_share(workdir: Path, processes: list[Process], seconds: float) -> dict[str, Any]:
+    """Scenario 6 on a gateway of its own: its named clients make keys required."""
+    print("6 fair share ...", file=sys.stderr)
+    log = workdir / "fair.log"
+    stub, paced = start_stub(
+        workdir,
+        *("--reasoning-tokens", "0", "--content-tokens", "40", "--delay", "0.01"),
+        *("--log", str(log)),
+    )
+    processes.append(stub)
+    gateway, url = start_gateway(workdir, fair_config(paced), env=FAIR_KEYS)
+    processes.append(gateway)
+    return asyncio.run(fair_share(url, log, seconds))
 
 
 def machine() -> dict[str, Any]:
@@ -515,6 +673,10 @@ def main() -> None:
     parser.add_argument("--waiters", type=int, default=5000)
     parser.add_argument("--slow-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fair-seconds", type=float, default=60.0, help="per phase, scenario 6")
+    parser.add_argument(
+        "--only-fair", action="store_true", help="run scenario 6 alone (it starts its own gateway)"
+    )
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument(
         "--target", help="an Anthropic-compatible base URL ending in the part before /v1"
@@ -527,6 +689,17 @@ def main() -> None:
             "1_throughput": asyncio.run(throughput(None, args.target, args.model, args.rounds)),
             "2_latency": asyncio.run(latency(None, args.target, args.model, args.latency_requests)),
         }
+    elif args.only_fair:
+        with tempfile.TemporaryDirectory() as workdir:
+            processes: list[Process] = []
+            try:
+                report = {
+                    "machine": machine(),
+                    "6_fair_share": run_fair_share(Path(workdir), processes, args.fair_seconds),
+                }
+            finally:
+                for process in processes:
+                    process.stop()
     else:
         with tempfile.TemporaryDirectory() as workdir:
             report = run_local(args, Path(workdir))
