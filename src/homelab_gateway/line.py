@@ -28,6 +28,7 @@ import heapq
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 CLASSES = ("interactive", "normal", "batch")
@@ -52,8 +53,10 @@ class Waiter(Generic[T]):
     item: T
     client: str
     rank: int  # index into CLASSES
-    arrived: float
-    seq: int
+    arrived: float  # also the tie-break within a key; then the queues' order, as in `order`
+
+
+_item = attrgetter("item")
 
 
 @dataclass(slots=True)
@@ -84,7 +87,6 @@ class Line(Generic[T]):
         self._clients: dict[str, _Client] = {}
         self._waiters: dict[T, Waiter[T]] = {}
         self._virtual = 0.0
-        self._seq = 0
         self._queues = 0  # non-empty (client, class) FIFOs
 
     def __len__(self) -> int:
@@ -104,8 +106,7 @@ class Line(Generic[T]):
         return 0 if found is None else found.waiting
 
     def join(self, item: T, client: str, rank: int, now: float) -> None:
-        self._seq += 1
-        waiter = Waiter(item, client, rank, now, self._seq)
+        waiter = Waiter(item, client, rank, now)
         self._waiters[item] = waiter
         state = self._client(client)
         queue = state.queues.get(rank)
@@ -136,15 +137,16 @@ class Line(Generic[T]):
             # clients are peer addresses.
             del self._clients[waiter.client]
 
-    def _best_head(self, now: float) -> tuple[tuple[int, float, int], Waiter[T]] | None:
-        best: tuple[tuple[int, float, int], Waiter[T]] | None = None
+    def _best_head(self, now: float) -> tuple[tuple[int, float, float], Waiter[T]] | None:
+        best: tuple[tuple[int, float, float], Waiter[T]] | None = None
         for state in self._clients.values():
             if not state.queues:
                 continue
             start = max(self._virtual, state.finish)
             for queue in state.queues.values():
                 head = queue[0]
-                key = (effective_rank(head.rank, now - head.arrived, self.aging), start, head.seq)
+                rank = effective_rank(head.rank, now - head.arrived, self.aging)
+                key = (rank, start, head.arrived)
                 if best is None or key < best[0]:
                     best = (key, head)
         return best
@@ -193,23 +195,25 @@ class Line(Generic[T]):
             (state, queue) for state in self._clients.values() for queue in state.queues.values()
         ]
         if len(queues) == 1:
-            yield from (waiter.item for waiter in queues[0][1])
-            return
+            return map(_item, queues[0][1])
+        return self._merged(queues, now)
+
+    def _merged(self, queues: list[tuple[_Client, deque[Waiter[T]]]], now: float) -> Iterator[T]:
         virtual = self._virtual
         finish = {id(state): state.finish for state, _ in queues}
-        heap: list[tuple[int, float, int, int, int]] = []
+        heap: list[tuple[int, float, float, int, int]] = []
         for index, (state, queue) in enumerate(queues):
             head = queue[0]
             start = max(virtual, finish[id(state)])
             rank = effective_rank(head.rank, now - head.arrived, self.aging)
-            heap.append((rank, start, head.seq, index, 0))
+            heap.append((rank, start, head.arrived, index, 0))
         heapq.heapify(heap)
         while heap:
-            rank, start, seq, index, position = heap[0]
+            rank, start, arrived, index, position = heap[0]
             state, queue = queues[index]
             current = max(virtual, finish[id(state)])
             if current > start:  # its client was served meanwhile: its key moved back
-                heapq.heapreplace(heap, (rank, current, seq, index, position))
+                heapq.heapreplace(heap, (rank, current, arrived, index, position))
                 continue
             waiter = queue[position]
             yield waiter.item
@@ -220,7 +224,7 @@ class Line(Generic[T]):
                 rank = effective_rank(after.rank, now - after.arrived, self.aging)
                 heapq.heapreplace(
                     heap,
-                    (rank, max(virtual, finish[id(state)]), after.seq, index, position + 1),
+                    (rank, max(virtual, finish[id(state)]), after.arrived, index, position + 1),
                 )
             else:
                 heapq.heappop(heap)
