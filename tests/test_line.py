@@ -274,6 +274,17 @@ class Limits(TestCase):
         self.assertEqual((sem.in_use, sem.tokens), (0, 1))
         sem.close()
 
+    def test_configure_line_changes_weights_and_caps_without_reordering_a_client(self) -> None:
+        clock = Clock()
+        sem = PositionedSemaphore(1, clock, max_waiting={"a": 1})
+        sem.acquire_in_line(client="a")
+        first = sem.acquire_in_line(client="a")
+        sem.configure_line(aging=5.0, weights={"a": 3.0}, max_waiting={})
+        second = sem.acquire_in_line(client="a")  # the cap is gone
+        self.assertEqual(list(sem.line.order(0.0)), [first, second])
+        self.assertEqual((sem.line.aging, sem.line._clients["a"].weight), (5.0, 3.0))
+        sem.close()
+
     def test_a_slot_released_twice_frees_one_slot(self) -> None:
         clock = Clock()
         sem = PositionedSemaphore(1, clock)

@@ -103,6 +103,15 @@ class PositionedSemaphore(DeferredSemaphore):
         self.tokens = max(0, limit - self._held)
         self._hand_over()
 
+    def configure_line(
+        self, *, aging: float | None, weights: Mapping[str, float], max_waiting: Mapping[str, int]
+    ) -> None:
+        """New [queue] aging, client weights and max_waiting (config reload); nobody waiting
+        loses a place, and a client now over its max_waiting keeps the requests it has queued."""
+        self.line.configure(aging=aging, weights=weights)
+        self.max_waiting = dict(max_waiting)
+        self._changed()
+
     def acquire(self) -> Deferred[DeferredSemaphore]:
         """DeferredSemaphore's acquire, as an anonymous `normal` waiter."""
         d = self.acquire_in_line()

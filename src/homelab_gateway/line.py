@@ -89,6 +89,14 @@ class Line(Generic[T]):
         self._virtual = 0.0
         self._queues = 0  # non-empty (client, class) FIFOs
 
+    def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
+        """New aging and weights (config reload): waiters keep their place in their queues; the
+        new weights apply to slot time charged from now on."""
+        self.aging = aging
+        self.weights = dict(weights)
+        for name, state in self._clients.items():
+            state.weight = self.weights.get(name, 1.0)
+
     def __len__(self) -> int:
         return len(self._waiters)
 
