@@ -65,7 +65,6 @@ class Grant:
 
     client: str
     rank: int  # the class it was served as (aging included)
-    waited: float
     charged: float
 
 
@@ -171,7 +170,7 @@ class Line(Generic[T]):
         del self._waiters[waiter.item]
         self._virtual = max(self._virtual, start)
         state.finish = start + state.estimate / state.weight
-        grant = Grant(waiter.client, rank, now - waiter.arrived, state.estimate)
+        grant = Grant(waiter.client, rank, state.estimate)
         self._forget(state, waiter)
         return waiter.item, grant
 
@@ -181,7 +180,7 @@ class Line(Generic[T]):
         start = max(self._virtual, state.finish)
         self._virtual = start
         state.finish = start + state.estimate / state.weight
-        return Grant(client, rank, 0.0, state.estimate)
+        return Grant(client, rank, state.estimate)
 
     def settle(self, grant: Grant, held: float) -> None:
         """Correct a grant's charge with the time its slot was really held."""
