@@ -259,10 +259,13 @@ class Limits(TestCase):
         clock = Clock()
         sem = PositionedSemaphore(1, clock)
         held = [sem.acquire_in_line()]
-        waiting = [sem.acquire_in_line() for _ in range(3)]
+        last: list[int] = []
+        waiting = [sem.acquire_in_line(), sem.acquire_in_line(), sem.acquire_in_line(last.append)]
         sem.resize(3)
         self.assertEqual([d.called for d in waiting], [True, True, False])
         self.assertEqual(sem.in_use, 3)
+        clock.advance(sem.report_interval)
+        self.assertEqual(last, [3, 1], "those still waiting learn they moved up")
         sem.resize(1)
         self.assertEqual(sem.in_use, 3, "held slots are never revoked")
         held[0].result.release()

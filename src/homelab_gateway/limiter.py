@@ -102,6 +102,7 @@ class PositionedSemaphore(DeferredSemaphore):
         self.limit = limit
         self.tokens = max(0, limit - self._held)
         self._hand_over()
+        self._changed()
 
     def configure_line(
         self, *, aging: float | None, weights: Mapping[str, float], max_waiting: Mapping[str, int]
