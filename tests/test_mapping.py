@@ -427,3 +427,108 @@ def test_a_recorded_claude_code_request_maps() -> None:
     assert len(out.body["tools"]) == len(body["tools"]) == 24
     assert out.body["chat_template_kwargs"] == {"enable_thinking": True}
     assert out.body["reasoning_effort"] == "high"
+
+
+# Claude Code's attribution line, as its versions send it: a per-prompt suffix, and a `cch=`
+# value that changes on every request in others.
+BILLING_HEADERS = [
+    "x-anthropic-billing-header: cc_version=2.1.328.ce7; cc_entrypoint=sdk-cli;",
+    "x-anthropic-billing-header: cc_version=2.1.328.27f; cc_entrypoint=cli;",
+    "x-anthropic-billing-header: cc_version=2.1.77.a1b; cc_entrypoint=cli; cch=4f9e2;",
+]
+CLAUDE_CODE_SYSTEM = "You are Claude Code, Anthropic's official CLI for Claude."
+
+
+@pytest.mark.parametrize("header", BILLING_HEADERS)
+def test_the_billing_header_block_is_dropped_and_nothing_else(header: str) -> None:
+    blocks = [
+        {"type": "text", "text": header},
+        {"type": "text", "text": CLAUDE_CODE_SYSTEM, "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Mentions x-anthropic-billing-header: mid-text, kept."},
+    ]
+    system = mapped(system=blocks)["messages"][0]
+    assert system == {
+        "role": "system",
+        "content": CLAUDE_CODE_SYSTEM + "\n\nMentions x-anthropic-billing-header: mid-text, kept.",
+    }
+
+
+@pytest.mark.parametrize("header", BILLING_HEADERS)
+def test_the_billing_header_line_leaves_the_rest_of_its_block_as_vllm_does(header: str) -> None:
+    assert mapped(system=header + "\nline two")["messages"][0]["content"] == "line two"
+    only = mapped(system=[{"type": "text", "text": header}])["messages"]
+    assert only == [{"role": "user", "content": "hi"}]  # no empty system message
+    inside = [{"role": "system", "content": header}, {"role": "user", "content": "hi"}]
+    assert mapped(messages=inside)["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_the_billing_header_is_kept_when_the_model_says_so() -> None:
+    model = ModelConfig(name="m", upstream="u", upstream_model="m", strip_billing_header=False)
+    blocks = [{"type": "text", "text": BILLING_HEADERS[0]}, {"type": "text", "text": "rest"}]
+    assert mapped(model, system=blocks)["messages"][0]["content"] == BILLING_HEADERS[0] + "\n\nrest"
+
+
+def test_an_empty_messages_array_is_named_as_empty() -> None:
+    assert rejected(messages=[]) == "messages: must be a non-empty array, got an empty array"
+    assert rejected(messages="x") == "messages: must be a non-empty array, got 'x'"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_maps_to_a_json_schema_response_format() -> None:
+    expected = {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": SCHEMA, "strict": True},
+    }
+    output_format = {"type": "json_schema", "schema": SCHEMA}
+    assert mapped(output_config={"format": output_format})["response_format"] == expected
+    assert mapped(output_format=output_format)["response_format"] == expected
+    both = mapped(output_config={"format": output_format}, output_format=output_format)
+    assert both["response_format"] == expected
+    assert "response_format" not in mapped(output_config={"effort": "low"})
+
+
+def test_structured_output_that_cannot_be_carried_is_a_400_naming_the_field() -> None:
+    assert rejected(output_config={"format": {"type": "text"}}) == (
+        "output_config.format.type: only 'json_schema' can be carried upstream, got 'text'"
+    )
+    assert rejected(output_format={"type": "json_schema"}) == (
+        "output_format.schema: must be a non-empty object, got nothing"
+    )
+    assert rejected(output_config={"format": "json"}) == (
+        "output_config.format: must be an object, got 'json'"
+    )
+    assert (
+        rejected(
+            output_config={"format": {"type": "json_schema", "schema": SCHEMA, "strict": False}}
+        )
+        == "output_config.format.strict: cannot be carried to the upstream"
+    )
+    assert (
+        rejected(
+            output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+            output_format={"type": "json_schema", "schema": {"type": "object"}},
+        )
+        == "output_format: differs from output_config.format; send one of them"
+    )
+
+
+def test_show_reasoning_follows_the_model_option_and_the_request() -> None:
+    strict = ModelConfig(
+        name="m", upstream="u", upstream_model="m", show_reasoning="when_requested"
+    )
+
+    def shows(model: ModelConfig, **body: Any) -> bool:
+        request = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}
+        return map_request({**request, **body}, model).show_reasoning
+
+    assert shows(MODEL) and shows(MODEL, thinking={"type": "disabled"})
+    assert not shows(strict) and not shows(strict, thinking={"type": "disabled"})
+    assert shows(strict, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert shows(strict, thinking={"type": "adaptive"})

@@ -249,6 +249,7 @@ class Messages:
             model=mapped.model,
             input_tokens=mapped.estimated_input_tokens,
             stop_sequences=mapped.stop_sequences,
+            show_reasoning=mapped.show_reasoning,
         )
         decoder = UpstreamDecoder(translator)
         emitted = False
