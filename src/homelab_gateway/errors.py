@@ -8,6 +8,8 @@ byte is sent, an `event: error` frame after.
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from homelab_gateway.translator import error_event
@@ -98,3 +100,97 @@ def _seconds(value: str | None) -> int | None:
     except ValueError:
         return None
     return seconds if 0 < seconds <= 3600 else None
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """An upstream's "the request does not fit the model's window", with the numbers it gave.
+
+    `completion` is set when the prompt fits and only prompt + `max_tokens` does not; None when
+    the prompt alone is too long. `at_least` means `prompt_tokens` is a lower bound (vLLM stops
+    counting one token past the window).
+    """
+
+    prompt_tokens: int | None
+    limit: int | None
+    completion: int | None = None
+    at_least: bool = False
+
+    def error(self) -> GatewayError:
+        """Anthropic's own wording, which Claude Code parses to size its recovery."""
+        if self.completion is not None and self.prompt_tokens is not None and self.limit:
+            return GatewayError(
+                400,
+                f"input length and `max_tokens` exceed context limit: {self.prompt_tokens} + "
+                f"{self.completion} > {self.limit}, decrease input length or `max_tokens` "
+                "and try again",
+            )
+        if self.prompt_tokens is not None and self.limit:
+            return GatewayError(
+                400, f"prompt is too long: {self.prompt_tokens} tokens > {self.limit} maximum"
+            )
+        return GatewayError(400, "prompt is too long: the upstream did not say by how much")
+
+
+_N = r"(\d+)"
+# vLLM, newest first: the renderer's messages (0.1x to 0.32: "contains at least N" once the
+# prompt is cut off at the window), then the serving layer's older "you requested" ones.
+_VLLM_PROMPT = re.compile(
+    rf"maximum context length is {_N} tokens\. However, your (?:prompt contains|request has) "
+    rf"(at least )?{_N} input tokens"
+)
+_VLLM_MAX_TOKENS = re.compile(
+    rf"'max_tokens' (?:or 'max_completion_tokens' )?is too large: {_N}\. This model's maximum "
+    rf"context length is {_N} tokens and your request has {_N} input tokens"
+)
+_VLLM_REQUESTED = re.compile(
+    rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens "
+    rf"\({_N} in the messages, {_N} in the completion\)"
+)
+_VLLM_REQUESTED_PROMPT = re.compile(
+    rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens in the messages"
+)
+# llama.cpp's server (exceed_context_size_error, also carrying n_prompt_tokens and n_ctx).
+_LLAMA_CPP = re.compile(
+    rf"request \({_N} tokens\) exceeds the available context size \({_N} tokens\)"
+)
+# Ollama's runner says no number at all.
+_OLLAMA = "the input length exceeds the context length"
+
+
+def context_overflow(body: bytes) -> ContextOverflow | None:
+    """The context overflow an upstream's error body reports, or None for any other error."""
+    message = upstream_message(body)
+    error = _error_object(body)
+    if error.get("type") == "exceed_context_size_error":
+        prompt, limit = error.get("n_prompt_tokens"), error.get("n_ctx")
+        if isinstance(prompt, int) and isinstance(limit, int):
+            return ContextOverflow(prompt_tokens=prompt, limit=limit)
+    if match := _VLLM_MAX_TOKENS.search(message):
+        completion, limit, prompt = map(int, match.groups())
+        return ContextOverflow(prompt_tokens=prompt, limit=limit, completion=completion)
+    if match := _VLLM_PROMPT.search(message):
+        return ContextOverflow(
+            prompt_tokens=int(match[3]), limit=int(match[1]), at_least=bool(match[2])
+        )
+    if match := _VLLM_REQUESTED.search(message):
+        limit, _, prompt, completion = map(int, match.groups())
+        if prompt >= limit:
+            return ContextOverflow(prompt_tokens=prompt, limit=limit)
+        return ContextOverflow(prompt_tokens=prompt, limit=limit, completion=completion)
+    if match := _VLLM_REQUESTED_PROMPT.search(message):
+        return ContextOverflow(prompt_tokens=int(match[2]), limit=int(match[1]))
+    if match := _LLAMA_CPP.search(message):
+        return ContextOverflow(prompt_tokens=int(match[1]), limit=int(match[2]))
+    if _OLLAMA in message:
+        return ContextOverflow(prompt_tokens=None, limit=None)
+    return None
+
+
+def _error_object(body: bytes) -> dict[str, Any]:
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return {}
+    error = document.get("error") if isinstance(document, dict) else None
+    return error if isinstance(error, dict) else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ class MappedRequest:
     stop_sequences: tuple[str, ...]
     estimated_input_tokens: int
     show_reasoning: bool = True  # False: drop the upstream's reasoning from the answer
-    max_tokens: int | None = None  # as the client asked, before the model's cap
+    context_window: int | None = None  # the model's configured window, if any
 
 
 def request_model(body: Any) -> str:
@@ -49,6 +50,27 @@ def request_model(body: Any) -> str:
     if not isinstance(model, str) or not model:
         raise InvalidRequest(f"model: must be a non-empty string, got {_kind(model)}")
     return model
+
+
+def find_model(models: Mapping[str, ModelConfig], name: str) -> ModelConfig | None:
+    """The model configured for the client's `name`: its exact entry, else a pattern's.
+
+    A configured name with `*` in it is a shell-style pattern (fnmatch, case-sensitive), so
+    Claude Code's built-in names (`claude-sonnet-4-5-20250929`, `claude-haiku-4-5`) reach a local
+    model with nothing set but ANTHROPIC_BASE_URL. Exact names win; among patterns the most
+    specific (most characters that are not wildcards) wins, then the first in the file.
+    """
+    exact = models.get(name)
+    if exact is not None and "*" not in exact.name:
+        return exact
+    matches = [
+        model
+        for pattern, model in models.items()
+        if "*" in pattern and fnmatch.fnmatchcase(name, pattern)
+    ]
+    if not matches:
+        return None
+    return max(matches, key=lambda model: len(model.name.replace("*", "").replace("?", "")))
 
 
 def map_request(
@@ -138,7 +160,7 @@ def map_request(
         stop_sequences=stop_sequences,
         estimated_input_tokens=estimate,
         show_reasoning=model.show_reasoning == "always" or thinking,
-        max_tokens=max_tokens if _is_int(max_tokens) else None,
+        context_window=model.context_window,
     )
 
 

@@ -100,6 +100,7 @@ class Gateway:
                 clock=reactor,
                 ping_interval=server.ping_interval,
                 write_stall_timeout=server.write_stall_timeout,
+                upstream_window=self.readiness.context_window,
             ),
             access=self.access,
             inflight=self.inflight,

@@ -6,7 +6,6 @@ Handlers only choose what runs. `_work` is the one door for requests that reach 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +19,7 @@ from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.llm import Messages
+from homelab_gateway.mapping import find_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ReverseProxy
 from homelab_gateway.readiness import Readiness
@@ -118,43 +118,20 @@ class GatewayApp:
         except GatewayError as e:
             record.outcome = e.outcome
             return send_error(request, e)
-        count = await self._tokenize(pool, mapped.body)
+        count, _ = await self.messages.tokenize(pool, mapped.body)
         record.input_tokens = count or mapped.estimated_input_tokens
         return send_json(request, 200, {"input_tokens": record.input_tokens})
-
-    async def _tokenize(self, pool: Pool, body: Mapping[str, Any]) -> int | None:
-        """vLLM's exact count from its /tokenize (beside /v1); None where there is none."""
-        upstream = pool.upstream
-        base = upstream.url.removesuffix("/v1")
-        payload = {
-            "model": body["model"],
-            "messages": body["messages"],
-            "add_generation_prompt": True,
-        }
-        if "tools" in body:
-            payload["tools"] = body["tools"]
-        headers = {b"content-type": [b"application/json"]}
-        try:
-            response = await upstream.open(
-                "POST", base + "/tokenize", headers, json.dumps(payload).encode()
-            )
-            text = await upstream.read_limited(response)
-        except GatewayError:
-            return None
-        if response.code != 200:
-            return None
-        try:
-            count = json.loads(text).get("count")
-        except (ValueError, AttributeError):
-            return None
-        return count if isinstance(count, int) and count >= 0 else None
 
     @app.route("/llm/v1/models", methods=["GET", "OPTIONS"])
     def list_models(self, request: IRequest) -> bytes:
         stop = self._light(request, protected=True)
         if stop is not None:
             return stop
-        data = [_model_entry(name) for name in self.models]
+        data = [
+            self._model_entry(name, model)
+            for name, model in self.models.items()
+            if "*" not in name  # a pattern is no model's id; GET one of its names instead
+        ]
         return send_json(
             request,
             200,
@@ -172,9 +149,30 @@ class GatewayApp:
         stop = self._light(request, protected=True)
         if stop is not None:
             return stop
-        if name not in self.models:
+        model = find_model(self.models, name)
+        if model is None:
             return send_error(request, GatewayError(404, f"model: {name!r} is not served here"))
-        return send_json(request, 200, _model_entry(name))
+        return send_json(request, 200, self._model_entry(name, model))
+
+    def _model_entry(self, name: str, model: ModelConfig) -> dict[str, Any]:
+        """Anthropic's Models API entry (with OpenAI's fields beside it, for OpenAI clients).
+
+        `max_input_tokens` is the model's window and `max_tokens` its output cap (the window
+        where none is configured); both are null where neither the upstream nor the config says.
+        """
+        created = datetime.fromisoformat(MODEL_CREATED_AT)
+        window = self.messages.context_window(model)
+        return {
+            "id": name,
+            "type": "model",
+            "display_name": name,
+            "created_at": MODEL_CREATED_AT,
+            "max_input_tokens": window,
+            "max_tokens": model.max_tokens or window,
+            "object": "model",
+            "created": int(created.replace(tzinfo=UTC).timestamp()),
+            "owned_by": "homelab-gateway",
+        }
 
     @app.route("/llm/v1/status", methods=["GET", "OPTIONS"])
     def status(self, request: IRequest) -> bytes:
@@ -214,16 +212,3 @@ class GatewayApp:
             lambda r: self.proxy.forward(request, r, route, remainder, credential),
             anthropic=False,
         )
-
-
-def _model_entry(name: str) -> dict[str, Any]:
-    created = datetime.fromisoformat(MODEL_CREATED_AT)
-    return {
-        "id": name,
-        "type": "model",
-        "display_name": name,
-        "created_at": MODEL_CREATED_AT,
-        "object": "model",
-        "created": int(created.replace(tzinfo=UTC).timestamp()),
-        "owned_by": "homelab-gateway",
-    }
