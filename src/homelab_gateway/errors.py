@@ -106,9 +106,9 @@ def _seconds(value: str | None) -> int | None:
 class ContextOverflow:
     """An upstream's "the request does not fit the model's window", with the numbers it gave.
 
-    `completion` is set when the prompt fits and only prompt + `max_tokens` does not; None when
-    the prompt alone is too long. `at_least` means `prompt_tokens` is a lower bound (vLLM stops
-    counting one token past the window).
+    `completion` is the output the request asked for, where the upstream counted it against the
+    window. `at_least` means `prompt_tokens` is a lower bound: vLLM stops tokenizing one token
+    past the room left, so it never says how long the prompt really is.
     """
 
     prompt_tokens: int | None
@@ -117,24 +117,37 @@ class ContextOverflow:
     at_least: bool = False
 
     def error(self) -> GatewayError:
-        """Anthropic's own wording, which Claude Code parses to size its recovery."""
-        if self.completion is not None and self.prompt_tokens is not None and self.limit:
+        """Anthropic's own wording, which Claude Code parses to size its recovery: the prompt
+        alone too long (it compacts), or prompt plus `max_tokens` (it asks for fewer tokens)."""
+        prompt, limit, completion = self.prompt_tokens, self.limit, self.completion
+        if prompt is None or not limit:
+            return GatewayError(400, "prompt is too long: the upstream did not say by how much")
+        if completion is not None and prompt <= limit:
             return GatewayError(
                 400,
-                f"input length and `max_tokens` exceed context limit: {self.prompt_tokens} + "
-                f"{self.completion} > {self.limit}, decrease input length or `max_tokens` "
-                "and try again",
+                f"input length and `max_tokens` exceed context limit: {prompt} + {completion} "
+                f"> {limit}, decrease input length or `max_tokens` and try again",
             )
-        if self.prompt_tokens is not None and self.limit:
-            return GatewayError(
-                400, f"prompt is too long: {self.prompt_tokens} tokens > {self.limit} maximum"
-            )
-        return GatewayError(400, "prompt is too long: the upstream did not say by how much")
+        # The upstream refused the prompt itself, so it is longer than the window (llama.cpp
+        # refuses one that exactly fills it: no room is left for a single token).
+        return GatewayError(
+            400, f"prompt is too long: {max(prompt, limit + 1)} tokens > {limit} maximum"
+        )
 
 
 _N = r"(\d+)"
-# vLLM, newest first: the renderer's messages (0.1x to 0.32: "contains at least N" once the
-# prompt is cut off at the window), then the serving layer's older "you requested" ones.
+# vLLM's wordings, newest first. 0.2x-0.32 (renderer): both numbers, the prompt counted only up
+# to the room left ("at least"); early 2026: "You passed N input tokens and requested B output
+# tokens", the same cut-off count; 0.6-0.10: "your prompt contains at least N" / "your request
+# has N"; the max_tokens check; the oldest "you requested T tokens (A in the messages, ...)".
+_VLLM_TOTAL = re.compile(
+    rf"maximum context length is {_N} tokens\. However, you requested {_N} output tokens and "
+    rf"your prompt contains at least {_N} input tokens"
+)
+_VLLM_PASSED = re.compile(
+    rf"You passed {_N} input (tokens|characters)(?: and requested {_N} output tokens)?\. "
+    rf"However, the model's context length is only {_N} tokens"
+)
 _VLLM_PROMPT = re.compile(
     rf"maximum context length is {_N} tokens\. However, your (?:prompt contains|request has) "
     rf"(at least )?{_N} input tokens"
@@ -150,11 +163,11 @@ _VLLM_REQUESTED = re.compile(
 _VLLM_REQUESTED_PROMPT = re.compile(
     rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens in the messages"
 )
-# llama.cpp's server (exceed_context_size_error, also carrying n_prompt_tokens and n_ctx).
+# llama.cpp's server (type exceed_context_size_error, with n_prompt_tokens and n_ctx beside).
 _LLAMA_CPP = re.compile(
     rf"request \({_N} tokens\) exceeds the available context size \({_N} tokens\)"
 )
-# Ollama's runner says no number at all.
+# Ollama's runner gives no number at all.
 _OLLAMA = "the input length exceeds the context length"
 
 
@@ -166,24 +179,29 @@ def context_overflow(body: bytes) -> ContextOverflow | None:
         prompt, limit = error.get("n_prompt_tokens"), error.get("n_ctx")
         if isinstance(prompt, int) and isinstance(limit, int):
             return ContextOverflow(prompt_tokens=prompt, limit=limit)
+    if match := _VLLM_TOTAL.search(message):
+        limit, completion, prompt = map(int, match.groups())
+        return ContextOverflow(prompt, limit, completion or None, at_least=True)
+    if match := _VLLM_PASSED.search(message):
+        count, unit, completion, limit = match.groups()
+        prompt = int(count) if unit == "tokens" else None  # characters: no token count
+        return ContextOverflow(
+            prompt, int(limit), int(completion) if completion else None, at_least=True
+        )
     if match := _VLLM_MAX_TOKENS.search(message):
         completion, limit, prompt = map(int, match.groups())
-        return ContextOverflow(prompt_tokens=prompt, limit=limit, completion=completion)
+        return ContextOverflow(prompt, limit, completion)
     if match := _VLLM_PROMPT.search(message):
-        return ContextOverflow(
-            prompt_tokens=int(match[3]), limit=int(match[1]), at_least=bool(match[2])
-        )
+        return ContextOverflow(int(match[3]), int(match[1]), at_least=bool(match[2]))
     if match := _VLLM_REQUESTED.search(message):
         limit, _, prompt, completion = map(int, match.groups())
-        if prompt >= limit:
-            return ContextOverflow(prompt_tokens=prompt, limit=limit)
-        return ContextOverflow(prompt_tokens=prompt, limit=limit, completion=completion)
+        return ContextOverflow(prompt, limit, completion)
     if match := _VLLM_REQUESTED_PROMPT.search(message):
-        return ContextOverflow(prompt_tokens=int(match[2]), limit=int(match[1]))
+        return ContextOverflow(int(match[2]), int(match[1]))
     if match := _LLAMA_CPP.search(message):
-        return ContextOverflow(prompt_tokens=int(match[1]), limit=int(match[2]))
+        return ContextOverflow(int(match[1]), int(match[2]))
     if _OLLAMA in message:
-        return ContextOverflow(prompt_tokens=None, limit=None)
+        return ContextOverflow(None, None)
     return None
 
 

@@ -189,7 +189,7 @@ class Messages:
         vLLM 0.32 stops counting one token past the window ("at least 2049") and Ollama gives
         no number: the prompt's real count comes from /tokenize where there is one, the window
         from /tokenize, /models or the config. With no count at all the gateway's estimate
-        stands in; the count is never reported below the window the upstream said it exceeds.
+        stands in.
         """
         prompt, limit = overflow.prompt_tokens, overflow.limit
         if prompt is None or overflow.at_least:
@@ -202,8 +202,6 @@ class Messages:
             limit = self.context_window(model) if model is not None else None
         if prompt is None:
             prompt = mapped.estimated_input_tokens
-        if limit is not None and overflow.completion is None:
-            prompt = max(prompt, limit + 1)
         return dataclasses.replace(overflow, prompt_tokens=prompt, limit=limit).error()
 
     def resolve(
