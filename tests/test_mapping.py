@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from homelab_gateway.config import ModelConfig
-from homelab_gateway.mapping import InvalidRequest, map_request
+from homelab_gateway.config import ConfigError, ModelConfig, parse_config
+from homelab_gateway.mapping import InvalidRequest, find_model, map_request
 
 MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/QwQ-32B")
 
@@ -532,3 +532,79 @@ def test_show_reasoning_follows_the_model_option_and_the_request() -> None:
     assert not shows(strict) and not shows(strict, thinking={"type": "disabled"})
     assert shows(strict, thinking={"type": "enabled", "budget_tokens": 1024})
     assert shows(strict, thinking={"type": "adaptive"})
+
+
+def models(**tables: dict[str, Any]) -> dict[str, ModelConfig]:
+    document = {"upstreams": {"u": {"url": "http://x/v1", "slots": 1}}, "models": tables}
+    return dict(parse_config(document, environ={}).models)
+
+
+def test_the_claude_code_model_keys_and_their_defaults() -> None:
+    plain = models(m={"upstream": "u"})["m"]
+    assert (plain.strip_billing_header, plain.show_reasoning, plain.context_window) == (
+        True,
+        "always",
+        None,
+    )
+    set_ = models(
+        m={
+            "upstream": "u",
+            "strip_billing_header": False,
+            "show_reasoning": "when_requested",
+            "context_window": 32768,
+        }
+    )["m"]
+    assert (set_.strip_billing_header, set_.show_reasoning, set_.context_window) == (
+        False,
+        "when_requested",
+        32768,
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ({"show_reasoning": "never"}, "models.m.show_reasoning: must be 'always' or"),
+        ({"strip_billing_header": "yes"}, "models.m.strip_billing_header: must be true or false"),
+        ({"context_window": 0}, "models.m.context_window: must be an integer >= 1"),
+    ],
+)
+def test_mistakes_in_the_claude_code_model_keys_name_the_key(
+    table: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        models(m={"upstream": "u", **table})
+    assert expected in str(info.value)
+
+
+def test_a_name_pattern_must_say_its_upstream_model() -> None:
+    with pytest.raises(ConfigError) as info:
+        models(**{"claude-*": {"upstream": "u"}})
+    assert 'models."claude-*".upstream_model: is required for a name pattern' in str(info.value)
+
+
+def test_exact_names_win_then_the_most_specific_pattern_then_file_order() -> None:
+    configured = models(
+        **{
+            "claude-*": {"upstream": "u", "upstream_model": "big"},
+            "claude-*haiku*": {"upstream": "u", "upstream_model": "small"},
+            "claude-opus-4-1": {"upstream": "u", "upstream_model": "exact"},
+            "*-4-1": {"upstream": "u", "upstream_model": "late"},
+            "c?aude-x*": {"upstream": "u", "upstream_model": "first"},
+            "claude-x*": {"upstream": "u", "upstream_model": "second"},
+        }
+    )
+
+    def upstream_model(name: str) -> str | None:
+        found = find_model(configured, name)
+        return found.upstream_model if found is not None else None
+
+    assert upstream_model("claude-haiku-4-5-20251001") == "small"
+    assert upstream_model("claude-3-5-haiku-latest") == "small"
+    assert upstream_model("claude-sonnet-4-5-20250929") == "big"
+    assert upstream_model("claude-opus-4-1") == "exact"  # exact beats every pattern
+    assert upstream_model("claude-opus-4-5") == "big"
+    assert upstream_model("claude-x1") == "second"  # 8 literal characters beat 7
+    assert upstream_model("Claude-sonnet") is None  # case-sensitive, like model names
+    assert upstream_model("gpt-4") is None
+    assert upstream_model("claude-*") == "big"  # the pattern's own text is only a name it matches
