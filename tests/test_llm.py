@@ -529,6 +529,38 @@ class Overflow(LLMSurface):
         )
 
 
+class OllamaOverflow(LLMSurface):
+    """Ollama's refusal has no number and there is no /tokenize: the config's window stands in."""
+
+    gateway_overrides = {"model": {"context_window": 4096}}
+
+    def setUp(self) -> None:
+        super().setUp()
+        render = self.stub.render_POST
+
+        def as_ollama(request: Any) -> Any:
+            if request.path.endswith(b"/tokenize"):
+                request.setResponseCode(404)
+                return b"404 page not found"
+            if request.path.endswith(b"/chat/completions"):
+                request.setResponseCode(400)
+                error = {
+                    "message": "the input length exceeds the context length",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+                return json.dumps({"error": error}).encode()
+            return render(request)
+
+        self.stub.render_POST = as_ollama  # type: ignore[method-assign]
+
+    @async_test
+    async def test_the_configured_window_fills_the_missing_numbers(self) -> None:
+        message = await self.error(chat(), 400, "invalid_request_error")
+        self.assertEqual(message, "prompt is too long: 4097 tokens > 4096 maximum")
+
+
 class StructuredOutputAndReasoning(UpstreamBodies):
     gateway_overrides = {"model": {"show_reasoning": "when_requested"}}
 

@@ -183,13 +183,13 @@ class Messages:
 
     async def _overflow_error(
         self, pool: Pool, mapped: MappedRequest, overflow: ContextOverflow
-    ) -> GatewayError:
+    ) -> tuple[GatewayError, int]:
         """Fill in the numbers the upstream left out, then say it in Anthropic's words.
 
         vLLM 0.32 stops counting one token past the window ("at least 2049") and Ollama gives
         no number: the prompt's real count comes from /tokenize where there is one, the window
         from /tokenize, /models or the config. With no count at all the gateway's estimate
-        stands in.
+        stands in. Answers the error and the prompt's count, for the request's record.
         """
         prompt, limit = overflow.prompt_tokens, overflow.limit
         if prompt is None or overflow.at_least:
@@ -202,7 +202,7 @@ class Messages:
             limit = self.context_window(model) if model is not None else None
         if prompt is None:
             prompt = mapped.estimated_input_tokens
-        return dataclasses.replace(overflow, prompt_tokens=prompt, limit=limit).error()
+        return dataclasses.replace(overflow, prompt_tokens=prompt, limit=limit).error(), prompt
 
     def resolve(
         self, request: IRequest, record: RequestRecord, *, count_only: bool = False
@@ -320,7 +320,8 @@ class Messages:
             error_body = await upstream.read_limited(response)
             overflow = context_overflow(error_body)
             if overflow is not None:
-                raise await self._overflow_error(pool, mapped, overflow)
+                error, record.input_tokens = await self._overflow_error(pool, mapped, overflow)
+                raise error
             retry_after = response.headers.getRawHeaders(b"retry-after", [None])[0]
             raise upstream_http_error(
                 response.code, error_body, retry_after.decode() if retry_after else None
