@@ -60,8 +60,9 @@ class StubSettings:
     content_tokens: int = 8
     reasoning_field: str = "reasoning"  # reasoning | reasoning_content | both
     models: tuple[str, ...] = ()  # empty: answer any model name
-    # vLLM's --max-model-len: reported by /v1/models and /tokenize, enforced with its wording
-    max_model_len: int = 32768
+    # vLLM's --max-model-len: reported by /v1/models and /tokenize, enforced with its wording.
+    # None: nothing enforced (benchmarks and tests ask for huge max_tokens), /tokenize says 32768.
+    max_model_len: int | None = None
     # vLLM's --enable-prompt-tokens-details: usage says the prefix-cache hits (cached_tokens)
     prompt_tokens_details: bool = False
 
@@ -471,10 +472,12 @@ class StubResource(Resource):
                     "object": "model",
                     "created": 0,
                     "owned_by": "homelab-stub",
-                    "max_model_len": self.settings.max_model_len,
                 }
                 for n in names
             ]
+            if self.settings.max_model_len is not None:
+                for entry in data:
+                    entry["max_model_len"] = self.settings.max_model_len
             return json.dumps({"object": "list", "data": data}).encode()
         if path == b"/stub/status":
             return json.dumps(self.stats.__dict__).encode()
@@ -488,7 +491,7 @@ class StubResource(Resource):
         window = self.settings.max_model_len
         output = generation.body.get("max_tokens") or generation.body.get("max_completion_tokens")
         output = output if isinstance(output, int) else 0
-        if generation.prompt_tokens + output > window:
+        if window is not None and generation.prompt_tokens + output > window:
             return 400, _overflow_message(window, generation.prompt_tokens, output)
         tokens = _prompt_tokens(generation.body.get("messages"))
         generation.cached_tokens = _cached_tokens(tokens, self._last_prompt)
@@ -509,7 +512,7 @@ class StubResource(Resource):
             return json.dumps(
                 {
                     "count": count,
-                    "max_model_len": self.settings.max_model_len,
+                    "max_model_len": self.settings.max_model_len or 32768,
                     "tokens": list(range(count)),
                 }
             ).encode()
@@ -602,7 +605,7 @@ class Options(usage.Options):
         ["reasoning-tokens", None, 8, "Reasoning tokens per answer (0: no reasoning)", int],
         ["content-tokens", None, 8, "Content tokens per answer", int],
         ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
-        ["max-model-len", None, 32768, "The context window, as vLLM's --max-model-len", int],
+        ["max-model-len", None, None, "Context window, enforced as vLLM's", int],
         ["log", None, None, "Append a line per request start, completion and cancellation"],
     ]
 
