@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from homelab_gateway.config import ConfigError, ModelConfig, parse_config
 from homelab_gateway.mapping import InvalidRequest, find_model, map_request
@@ -608,3 +610,36 @@ def test_exact_names_win_then_the_most_specific_pattern_then_file_order() -> Non
     assert upstream_model("Claude-sonnet") is None  # case-sensitive, like model names
     assert upstream_model("gpt-4") is None
     assert upstream_model("claude-*") == "big"  # the pattern's own text is only a name it matches
+
+
+system_texts = st.lists(
+    st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(BILLING_HEADERS),
+        st.builds(lambda h, rest: h + "\n" + rest, st.sampled_from(BILLING_HEADERS), st.text()),
+    ),
+    max_size=5,
+)
+
+
+@given(system_texts)
+def test_stripping_changes_nothing_but_the_header_lines(texts: list[str]) -> None:
+    kept = ModelConfig(name="m", upstream="u", upstream_model="m", strip_billing_header=False)
+    blocks = [{"type": "text", "text": text} for text in texts]
+    stripped = mapped(system=blocks)["messages"]
+    as_sent = mapped(kept, system=blocks)["messages"]
+    expected = [
+        text.partition("\n")[2] if text.startswith("x-anthropic-billing-header") else text
+        for text in texts
+    ]
+    left = [
+        text
+        for text, original in zip(expected, texts, strict=True)
+        if text or not original.startswith("x-anthropic-billing-header")
+    ]
+    if left or not texts:
+        assert stripped[0] == {"role": "system", "content": "\n\n".join(left)}
+    else:
+        assert stripped[0]["role"] == "user"  # nothing but headers: no system message at all
+    assert as_sent[0] == {"role": "system", "content": "\n\n".join(texts)}
+    assert stripped[-1] == as_sent[-1]

@@ -22,8 +22,11 @@ IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/we
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens itself
-# Claude Code's attribution line, first in its system prompt; vLLM's chat renderer matches the
-# same prefix (`_strip_claude_code_billing_header`).
+# Claude Code's attribution line, first in its system prompt. It carries a per-prompt suffix
+# (and, in some versions, a `cch=` value new on every request) ahead of a ~20,000-token system
+# prompt, so with it no upstream prefix cache ever matches. Decided as vLLM's chat renderer does
+# (`_strip_claude_code_billing_header`): a system text starting with it loses its first line,
+# and the block goes if nothing follows; any other text is untouched.
 BILLING_HEADER = "x-anthropic-billing-header"
 
 
@@ -90,7 +93,7 @@ def map_request(
     system = body.get("system")
     if system is not None:
         text = _system_text(system, "system", strip=strip)
-        if text or not strip:
+        if text is not None:
             messages.append({"role": "system", "content": text})
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list):
@@ -178,7 +181,7 @@ def _message(
     content = message.get("content")
     if role == "system":  # Claude Code sends these inside messages; vLLM takes them in place
         text = _system_text(content, f"{where}.content", strip=strip)
-        if text or not strip:
+        if text is not None:
             out.append({"role": "system", "content": text})
         return previous_tool_ids
     if role not in ("user", "assistant"):
@@ -302,36 +305,25 @@ def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
 
 
-def _system_text(system: Any, where: str, *, strip: bool) -> str:
-    if isinstance(system, str):
-        return strip_billing_header(system) if strip else system
-    if not isinstance(system, list):
+def _system_text(system: Any, where: str, *, strip: bool) -> str | None:
+    """The system prompt's text; None when it held nothing but the billing header."""
+    blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system
+    if not isinstance(blocks, list):
         raise InvalidRequest(f"{where}: must be a string or an array of text blocks")
     texts = []
-    for j, block in enumerate(system):
+    dropped = False
+    for j, block in enumerate(blocks):
         kind = _block_type(block, f"{where}.{j}")
         if kind != "text":
             raise InvalidRequest(f"{where}.{j}.type: must be 'text', got {kind!r}")
         text = _string(block, "text", f"{where}.{j}")
-        if strip:
-            text = strip_billing_header(text)
+        if strip and text.startswith(BILLING_HEADER):
+            text = text.partition("\n")[2]
             if not text:
+                dropped = True
                 continue
         texts.append(text)
-    return "\n\n".join(texts)
-
-
-def strip_billing_header(text: str) -> str:
-    """The text without Claude Code's `x-anthropic-billing-header: ...` line, as vLLM decides.
-
-    A text that starts with the header loses its first line, and with nothing after it, the whole
-    block goes; any other text is untouched. The line carries a per-prompt suffix (and, in some
-    versions, a `cch=` value new on every request) ahead of a ~20,000-token system prompt, so
-    leaving it in means no upstream prefix cache ever matches.
-    """
-    if not text.startswith(BILLING_HEADER):
-        return text
-    return text.partition("\n")[2]
+    return None if dropped and not texts else "\n\n".join(texts)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
