@@ -98,7 +98,8 @@ class Metrics(LLMSurface):
         await self.settled()
         text = await self.scrape()
         self.assertEqual(
-            metric(text, "homelab_gateway_requests_total", outcome="bad_request", model="ghost"), 1
+            metric(text, "homelab_gateway_requests_total", outcome="bad_request", model="unknown"),
+            1,
         )
         self.assertEqual(
             metric(text, "homelab_gateway_requests_total", outcome="client_disconnected"), 1

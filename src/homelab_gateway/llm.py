@@ -150,6 +150,7 @@ class Messages:
             if model is None:
                 known = ", ".join(sorted(self.models))
                 raise GatewayError(404, f"model: {name!r} is not served here (models: {known})")
+            record.served_model = name
             record.upstream = model.upstream
             pool = self.pools[model.upstream]
             mapped = map_request(
