@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet import reactor
+from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import formatEvent, globalLogPublisher
 
 from homelab_gateway.telemetry import loggable
-from tests.helpers import chat, raw_request, wait_for
+from tests.helpers import RawResponse, chat, raw_request, wait_for
 from tests.test_llm import LLMSurface
 from tests.test_operations import metric
 from tests.test_proxy import async_test
@@ -91,3 +93,86 @@ def test_loggable_caps_and_escapes() -> None:
     assert loggable("modèle-7b") == "modèle-7b"
     assert loggable("a\x00b\u2028c\ud800") == "a\\x00b\\u2028c\\ud800"
     assert loggable("x" * 500) == "x" * 200 + "..."
+
+
+def connect(port: int, data: bytes = b"") -> RawResponse:
+    """A connection that sends exactly `data` (maybe nothing) and keeps listening."""
+    protocol = RawResponse()
+
+    class Factory(ClientFactory):
+        def buildProtocol(self, addr: Any) -> Protocol:
+            return protocol
+
+    protocol.connectionMade = lambda: protocol.transport.write(data)  # type: ignore[method-assign]
+    reactor.connectTCP("127.0.0.1", port, Factory())
+    return protocol
+
+
+class Refusals(LLMSurface):
+    """What the wire and the router refuse still comes in the gateway's shape with an id."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.failures: list[dict[str, Any]] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_failure") is not None or event.get("isError"):
+                self.failures.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    async def get(self, path: str, **kw: Any) -> RawResponse:
+        response = raw_request(self.port, kw.pop("method", "GET"), path, **kw)
+        await response.closed
+        self.assertTrue((response.header("request-id") or "").startswith("req_"), path)
+        return response
+
+    def assert_json_error(self, response: RawResponse, status: int, anthropic: bool) -> str:
+        self.assertEqual(response.status, status, response.raw[:300])
+        self.assertEqual(response.header("content-type"), "application/json")
+        document = json.loads(response.body_text())
+        if anthropic:
+            self.assertEqual(document["type"], "error")
+        else:
+            self.assertEqual(document["error"]["code"], status)
+        return str(document["error"]["message"])
+
+    @async_test
+    async def test_one_header_line_over_16_kib_gets_431(self) -> None:
+        response = await self.get("/llm/v1/models", headers={"X-Big": "y" * 20_000})
+        self.assert_json_error(response, 431, anthropic=True)
+
+    @async_test
+    async def test_a_request_line_over_the_limit_gets_414(self) -> None:
+        response = await self.get("/openai/" + "a" * 20_000)
+        self.assert_json_error(response, 414, anthropic=False)
+
+    @async_test
+    async def test_every_answer_has_a_request_id(self) -> None:
+        for path in ("/healthz", "/readyz", "/metrics", "/llm/v1/models", "/llm/v1/status"):
+            await self.get(path)
+        self.assertEqual((await self.get("/openai")).status, 308)
+        self.assert_json_error(await self.get("/nowhere"), 404, anthropic=False)
+        self.assert_json_error(await self.get("/llm/v1/nothing"), 404, anthropic=True)
+        self.assert_json_error(await self.get("/llm/v1/models/ghost"), 404, anthropic=True)
+
+    @async_test
+    async def test_an_encoded_newline_in_a_path_gets_a_json_404(self) -> None:
+        self.assert_json_error(await self.get("/openai/a%0ab"), 404, anthropic=False)
+        self.assert_json_error(await self.get("/llm/v1/models/a%0ab"), 404, anthropic=True)
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_a_non_utf8_escape_gets_a_json_400_and_no_traceback(self) -> None:
+        self.assert_json_error(await self.get("/openai/%ff"), 400, anthropic=False)
+        self.assert_json_error(await self.get("/llm/v1/models/%c3"), 400, anthropic=True)
+        self.assertEqual(self.failures, [])
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_529_has_a_reason_phrase(self) -> None:
+        response = await self.post(chat(content="overloaded"))
+        self.assertEqual(response.status, 529)
+        self.assertTrue(response.head.startswith("HTTP/1.1 529 Site Overloaded\r\n"))
+        self.assertTrue(response.header("request-id").startswith("req_"))
