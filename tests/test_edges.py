@@ -108,6 +108,41 @@ def connect(port: int, data: bytes = b"") -> RawResponse:
     return protocol
 
 
+class SilentConnections(LLMSurface):
+    """Twisted's idle timeout is 60 s whatever `request_timeout` says: a generous bound far
+    below that shows the gateway's own limit acted."""
+
+    gateway_overrides = {"server": {"request_timeout": 0.5}}
+
+    async def closed_soon(self, connection: RawResponse) -> None:
+        self.addCleanup(lambda: connection.transport and connection.transport.abortConnection())
+        await connection.closed.addTimeout(20, reactor)
+
+    @async_test
+    async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(self) -> None:
+        connection = connect(self.port)
+        await self.closed_soon(connection)
+        self.assertEqual(connection.raw, b"")
+
+    @async_test
+    async def test_an_idle_keep_alive_connection_is_closed_after_its_answer(self) -> None:
+        connection = connect(self.port, b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+        await connection.until(lambda: connection.raw.endswith(b"0\r\n\r\n"))
+        await self.closed_soon(connection)
+        self.assertEqual(connection.raw.count(b"HTTP/1.1 "), 1, connection.raw)
+        self.assertEqual(connection.status, 200)
+
+    @async_test
+    async def test_keep_alive_still_serves_the_next_request(self) -> None:
+        request = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"
+        connection = connect(self.port, request)
+        await connection.until(lambda: connection.raw.count(b"0\r\n\r\n") == 1)
+        connection.transport.write(request)
+        await connection.until(lambda: connection.raw.count(b"0\r\n\r\n") == 2)
+        await self.closed_soon(connection)
+        self.assertEqual(connection.raw.count(b"HTTP/1.1 200 OK"), 2)
+
+
 class Refusals(LLMSurface):
     """What the wire and the router refuse still comes in the gateway's shape with an id."""
 

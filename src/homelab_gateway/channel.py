@@ -3,7 +3,10 @@
 twisted.web reads a request's whole body before any resource runs, and its idle timeout is
 reset by every byte, so a client can make it spool a huge body or trickle one forever. This
 channel answers 413 from the Content-Length header (or as soon as a chunked body passes the
-limit) and gives each request one deadline, from its first byte to its last, to arrive.
+limit) and gives each request one deadline, from its first byte to its last, to arrive. A
+connection that says nothing is closed too: a new one after `request_timeout`, an idle
+keep-alive one after `keepalive_timeout` (Twisted's own idle timeout is a fixed 60 s, and each
+silent connection holds a descriptor).
 
 Whatever the channel refuses (malformed, oversized, too slow) gets an answer in the gateway's
 JSON error shape with a `request-id`, as every other answer does; twisted.web's own refusals
@@ -39,12 +42,17 @@ class WireLimits:
     max_body_bytes: int
     max_header_bytes: int
     request_timeout: float
+    # An idle keep-alive connection is closed after min(this, request_timeout): long enough
+    # for a client's next request (httpx and Node keep idle connections 5 s), short enough
+    # that thousands of idle clients do not pin descriptors for a minute.
+    keepalive_timeout: float = 15.0
 
 
 class GatewayChannel(HTTPChannel):
     limits: WireLimits
     requests: list[GatewayRequest]
     _deadline: IDelayedCall | None = None
+    _silent = False  # the deadline running is for a first byte, not for a whole request
     _refused = False
 
     def connectionMade(self) -> None:
@@ -54,13 +62,41 @@ class GatewayChannel(HTTPChannel):
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             set_no_delay(True)
+        self._await_first_byte(self.limits.request_timeout)
 
     def dataReceived(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._silent:
+            self._cancel_deadline()
         if self._deadline is None and not self._handlingRequest:
             self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
         super().dataReceived(data)
+
+    def requestDone(self, request: Any) -> None:
+        """Between requests the connection waits for the next one's first byte, or, if the
+        client already sent (part of) it, for the rest of it."""
+        if self.persistent and not self._refused:
+            if self._dataBuffer:
+                self._cancel_deadline()
+                self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
+            else:
+                self._await_first_byte(
+                    min(self.limits.request_timeout, self.limits.keepalive_timeout)
+                )
+        super().requestDone(request)
+
+    def _await_first_byte(self, timeout: float) -> None:
+        self._cancel_deadline()
+        self._silent = True
+        self._deadline = self.callLater(timeout, self._said_nothing)
+
+    def _said_nothing(self) -> None:
+        """Closed without an answer: nothing was asked, and an unsolicited 408 on a keep-alive
+        connection can be read by a client as the answer to the request it sends next."""
+        self._deadline = None
+        self._silent = False
+        self.loseConnection()
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """One line longer than all headers may be: LineReceiver would hang up without a word."""
@@ -108,6 +144,7 @@ class GatewayChannel(HTTPChannel):
         if self._deadline is not None and self._deadline.active():
             self._deadline.cancel()
         self._deadline = None
+        self._silent = False
 
     def _refuse(self, status: int, error_type: str, message: str) -> None:
         """Answer and hang up at once, the way HTTPChannel answers a malformed request: the
