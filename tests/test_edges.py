@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import formatEvent, globalLogPublisher
@@ -93,6 +95,15 @@ def test_loggable_caps_and_escapes() -> None:
     assert loggable("modèle-7b") == "modèle-7b"
     assert loggable("a\x00b\u2028c\ud800") == "a\\x00b\\u2028c\\ud800"
     assert loggable("x" * 500) == "x" * 200 + "..."
+
+
+@given(st.text(alphabet=st.characters(exclude_categories=()), max_size=400))
+def test_anything_loggable_is_one_encodable_bounded_line(text: str) -> None:
+    shown = loggable(text, limit=50)
+    shown.encode("utf-8")
+    assert shown.isprintable()
+    assert len(shown) <= 50 * len("\\U0010ffff") + len("...")
+    assert shown == text or len(text) > 50 or not text.isprintable()
 
 
 def connect(port: int, data: bytes = b"") -> RawResponse:
@@ -202,6 +213,11 @@ class Refusals(LLMSurface):
     async def test_a_non_utf8_escape_gets_a_json_400_and_no_traceback(self) -> None:
         self.assert_json_error(await self.get("/openai/%ff"), 400, anthropic=False)
         self.assert_json_error(await self.get("/llm/v1/models/%c3"), 400, anthropic=True)
+        connection = connect(self.port, b"GET /healthz HTTP/1.1\r\nHost: \xff\r\n\r\n")
+        await connection.until(lambda: connection.raw.endswith(b"\r\n0\r\n\r\n"))
+        connection.transport.loseConnection()
+        await connection.closed
+        self.assert_json_error(connection, 400, anthropic=False)
         self.assertEqual(self.failures, [])
         self.assertEqual(self.stub.stats.requests, 0)
 
