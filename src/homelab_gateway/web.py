@@ -15,7 +15,7 @@ from klein import Klein
 from prometheus_client.twisted import MetricsResource
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import NotFound
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.config import ModelConfig
@@ -216,16 +216,13 @@ class GatewayApp:
             anthropic=False,
         )
 
-    @app.handle_errors(HTTPException)
-    def router_refused(self, request: IRequest, failure: Failure) -> bytes:
+    @app.handle_errors(NotFound)
+    def unroutable(self, request: IRequest, failure: Failure) -> bytes:
         """A path even the catch-all cannot match (werkzeug's `path` converter stops at an
         encoded newline) in the JSON shape, not werkzeug's HTML page."""
-        refusal = failure.value
-        assert isinstance(refusal, HTTPException)
-        status = refusal.code or 404
-        message = "no route for this path" if status == 404 else str(refusal.description)
         anthropic = request.path.startswith(b"/llm/")
-        return send_error(request, GatewayError(status, message), anthropic=anthropic)
+        error = GatewayError(404, "no route for this path")
+        return send_error(request, error, anthropic=anthropic)
 
 
 def _model_entry(name: str) -> dict[str, Any]:
