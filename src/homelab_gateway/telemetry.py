@@ -167,8 +167,9 @@ class Telemetry:
 
 
 def loggable(text: str, limit: int = LOGGED_CHARS) -> str:
-    """`text` safe for one log line in any encoding a log file uses: at most `limit` characters
-    (then `...`), anything unprintable (newlines, lone surrogates) as a backslash escape."""
+    """`text` safe for one line of a UTF-8 log: at most `limit` characters (then `...`), and
+    anything unprintable (a newline that would forge a line, a lone surrogate UTF-8 cannot
+    encode) as a backslash escape."""
     if len(text) <= limit and text.isprintable():
         return text
     cut = text[:limit]
