@@ -195,6 +195,13 @@ class Refusals(LLMSurface):
         self.assert_json_error(response, 414, anthropic=False)
 
     @async_test
+    async def test_a_malformed_request_gets_a_json_400(self) -> None:
+        connection = connect(self.port, b"NONSENSE\r\n\r\n")
+        await connection.closed
+        self.assert_json_error(connection, 400, anthropic=False)
+        self.assertTrue(connection.header("request-id").startswith("req_"))
+
+    @async_test
     async def test_every_answer_has_a_request_id(self) -> None:
         for path in ("/healthz", "/readyz", "/metrics", "/llm/v1/models", "/llm/v1/status"):
             await self.get(path)
