@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -629,6 +630,12 @@ class NamePatterns(LLMSurface):
             self.assertEqual(json.loads(response.body_text())["model"], name)
             self.assertEqual(self.stub.stats.models.get(upstream_model), 1, name)
         self.assertIn("'gpt-4'", await self.error(chat(model="gpt-4"), 404, "not_found_error"))
+        # metrics are labelled by the configured entry, never by the client's string
+        response = raw_request(self.port, "GET", "/metrics")
+        await response.closed
+        labels = set(re.findall(r'model="([^"]*)"', response.body_text()))
+        self.assertTrue({"claude-*haiku*", "claude-*", "claude-opus-4-1"} <= labels, labels)
+        self.assertFalse({"claude-haiku-4-5-20251001", "claude-sonnet-4-5-20250929"} & labels)
 
     @async_test
     async def test_the_catalogue_lists_names_and_answers_for_a_patterns_name(self) -> None:

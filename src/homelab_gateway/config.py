@@ -285,9 +285,16 @@ def _parse_auth(section: _Section, environ: Mapping[str, str]) -> AuthConfig:
         # Keys were asked for but none were found: fail closed rather than run open.
         where = " or ".join(f for f in (env_name, file_name) if f)
         raise section.error("", f"no API keys found in {where}")
+    protect_metrics = section.boolean("protect_metrics", False)
+    if protect_metrics and not configured:
+        # The operator asked for protection that cannot exist without keys; running open (the
+        # old behaviour) would hide that /llm and every route are open too.
+        raise section.error(
+            "protect_metrics",
+            "needs API keys (api_keys_env or api_keys_file); without them everything is open",
+        )
     return AuthConfig(
-        api_keys=frozenset(keys) if configured else None,
-        protect_metrics=section.boolean("protect_metrics", False),
+        api_keys=frozenset(keys) if configured else None, protect_metrics=protect_metrics
     )
 
 

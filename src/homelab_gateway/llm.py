@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -118,6 +119,14 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    """`1e400` is valid JSON but overflows to infinity, which would go upstream as `Infinity`."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 class _TranslationOver(Exception):
     """The translator has said its last word; stop reading the upstream."""
 
@@ -209,13 +218,16 @@ class Messages:
     ) -> tuple[Pool, MappedRequest]:
         """Parse and map the request body; the channel has already bounded its size."""
         try:
-            body = json.loads(request.content.read(), parse_constant=_no_constant)
+            body = json.loads(
+                request.content.read(), parse_constant=_no_constant, parse_float=_finite_float
+            )
             name = request_model(body)
             record.model = name
             model = find_model(self.models, name)
             if model is None:
                 known = ", ".join(sorted(self.models))
                 raise GatewayError(404, f"model: {name!r} is not served here (models: {known})")
+            record.served_model = model.name  # a pattern, never the client's string: bounded
             record.upstream = model.upstream
             pool = self.pools[model.upstream]
             mapped = map_request(

@@ -12,7 +12,9 @@ from typing import Any
 
 from klein import Klein
 from prometheus_client.twisted import MetricsResource
+from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
+from werkzeug.exceptions import NotFound
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.config import ModelConfig
@@ -23,7 +25,7 @@ from homelab_gateway.mapping import find_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ReverseProxy
 from homelab_gateway.readiness import Readiness
-from homelab_gateway.respond import new_request_id, send_error, send_json
+from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
@@ -57,8 +59,7 @@ class GatewayApp:
         self.metrics_resource = MetricsResource(telemetry.registry)
 
     def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
-        request_id = new_request_id()
-        request.setHeader(b"request-id", request_id.encode())
+        request_id = request.request_id  # GatewayRequest gives every answer one
         self.access.add_cors_headers(request)
         if self.access.cors_origins and self.access.is_preflight(request):
             return self.access.preflight(request)
@@ -212,3 +213,11 @@ class GatewayApp:
             lambda r: self.proxy.forward(request, r, route, remainder, credential),
             anthropic=False,
         )
+
+    @app.handle_errors(NotFound)
+    def unroutable(self, request: IRequest, failure: Failure) -> bytes:
+        """A path even the catch-all cannot match (werkzeug's `path` converter stops at an
+        encoded newline) in the JSON shape, not werkzeug's HTML page."""
+        anthropic = request.path.startswith(b"/llm/")
+        error = GatewayError(404, "no route for this path")
+        return send_error(request, error, anthropic=anthropic)
