@@ -42,7 +42,6 @@ class MappedRequest:
     stop_sequences: tuple[str, ...]
     estimated_input_tokens: int
     show_reasoning: bool = True  # False: drop the upstream's reasoning from the answer
-    context_window: int | None = None  # the model's configured window, if any
 
 
 def request_model(body: Any) -> str:
@@ -163,7 +162,6 @@ def map_request(
         stop_sequences=stop_sequences,
         estimated_input_tokens=estimate,
         show_reasoning=model.show_reasoning == "always" or thinking,
-        context_window=model.context_window,
     )
 
 
