@@ -44,6 +44,7 @@ class Process:
             text=True,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.terminated = False
         self.output: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -70,9 +71,17 @@ class Process:
             f"{pattern!r} not seen from {self.args}; output:\n{''.join(self.output)}"
         )
 
+    def signal(self, number: int) -> None:
+        if number == signal.SIGTERM:
+            self.terminated = True
+        self.popen.send_signal(number)
+
     def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM (unless already sent: a second one would end the grace period, or find the
+        default action back once the reactor has stopped), then wait for the exit."""
+        if self.popen.poll() is None and not self.terminated:
+            self.signal(signal.SIGTERM)
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -80,13 +89,18 @@ class Process:
                 self.popen.wait()
         return self.popen.returncode
 
+    def all_output(self) -> str:
+        """Everything the process wrote, once it has exited (read to the end of its output)."""
+        while (line := self.lines.get(timeout=5)) is not None:
+            self.output.append(line)
+        self.lines.put(None)  # a later call finds the end again
+        return "".join(self.output)
+
     def stopped_cleanly(self) -> bool:
         """SIGTERM, then a clean shutdown: exit status 0 (the gateway does not re-raise the
         signal the way twistd would; the stub, plain twistd, does), no traceback."""
         code = self.stop()
-        while (line := self.lines.get(timeout=5)) is not None:
-            self.output.append(line)
-        text = "".join(self.output)
+        text = self.all_output()
         expected = 0 if "homelab-gateway" in self.args else -signal.SIGTERM
         return code == expected and "Server Shut Down." in text and "Traceback" not in text
 

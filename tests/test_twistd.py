@@ -251,7 +251,7 @@ def test_sigterm_drains_in_flight_and_fails_the_queued(tmp_path: Path) -> None:
         queued = threading.Thread(target=stream, args=("queued",))
         queued.start()
         wait_until(lambda: status(url)["waiting"] == 1)
-        gateway.popen.send_signal(signal.SIGTERM)
+        gateway.signal(signal.SIGTERM)
         running.join(30)
         queued.join(30)
         assert gateway.stopped_cleanly(), "".join(gateway.output)
@@ -339,7 +339,7 @@ def test_sigterm_delivers_every_whole_answer_finished_in_the_grace(tmp_path: Pat
             threads.append(threading.Thread(target=whole, args=(url, results, name)))
             threads[-1].start()
             wait_until(lambda n=n: status(url)["in_use"] == n)
-        gateway.popen.send_signal(signal.SIGTERM)
+        gateway.signal(signal.SIGTERM)
         for thread in threads:
             thread.join(30)
         for name in ("first", "last"):
@@ -361,9 +361,9 @@ def test_a_second_sigterm_ends_the_grace_with_a_503_and_no_traceback(tmp_path: P
         client = threading.Thread(target=whole, args=(url, results, "cut"))
         client.start()
         wait_until(lambda: stub_status(stub_url)["in_flight"] == 1)
-        gateway.popen.send_signal(signal.SIGTERM)
+        gateway.signal(signal.SIGTERM)
         gateway.wait_for_line(r"draining: 1 requests in flight")
-        gateway.popen.send_signal(signal.SIGTERM)
+        gateway.signal(signal.SIGTERM)
         gateway.wait_for_line(r"again: ending the grace period now")
         client.join(30)
         assert gateway.stopped_cleanly(), "".join(gateway.output)
@@ -413,14 +413,14 @@ def test_sighup_reloads_under_load_and_keeps_running_on_an_invalid_file(tmp_path
             one_upstream_config(stub_url, slots=2)
             + '\n[models.fast]\nupstream = "vllm"\nupstream_model = "reasoning"\n'
         )
-        gateway.popen.send_signal(signal.SIGHUP)
+        gateway.signal(signal.SIGHUP)
         gateway.wait_for_line(r"config reloaded from .*gateway\.toml: 2 changes")
         assert status(url) == {"slots": 2, "in_use": 2, "waiting": 0}
         with urllib.request.urlopen(url + "/llm/v1/models", timeout=5) as response:
             assert [m["id"] for m in json.load(response)["data"]] == ["reasoning", "fast"]
 
         config.write_text("[upstreams.vllm]\nurl = 'http://x/v1'\nslots = 0\n")
-        gateway.popen.send_signal(signal.SIGHUP)
+        gateway.signal(signal.SIGHUP)
         failed = gateway.wait_for_line(r"reload failed, still running the previous config: (.*)")
         assert "upstreams.vllm.slots: must be an integer >= 1" in failed.group(1)
         assert status(url)["slots"] == 2
