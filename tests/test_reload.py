@@ -155,3 +155,30 @@ class ReloadUnderLoad(LLMSurface):
             self.assertEqual(response.events()[-1], "message_stop")
         self.assertEqual(self.stub.stats.requests, 2, "both ran on the removed upstream")
         await wait_for(lambda: old.in_use == 0, 2.0, "the old slots to be free")
+
+    @async_test
+    async def test_new_api_keys_apply_to_the_next_request(self) -> None:
+        document = gateway_document(self.stub_url, slots=1)
+        document["auth"] = {"api_keys_env": "KEYS"}
+        lines = self.servers.gateway.reload(parse_config(document, environ={"KEYS": "k1"}))
+        self.assertEqual(lines, ["auth: API keys none (open) -> 1 configured"])
+        refused = await self.post(chat(stream=False))
+        self.assertEqual(refused.status, 401)
+        allowed = await self.post(chat(stream=False), headers={"x-api-key": "k1"})
+        self.assertEqual(allowed.status, 200)
+
+    @async_test
+    async def test_an_added_upstream_is_probed_for_readiness_at_once(self) -> None:
+        gateway = self.servers.gateway
+        gateway.readiness.interval = 60  # no second round on its own within the test
+        gateway.start()
+        self.addCleanup(gateway.readiness.stop)
+        await wait_for(lambda: gateway.readiness.report()[0], 5.0, "the first probe")
+        other_url, _, _ = self.servers.stub()
+        document = gateway_document(self.stub_url, slots=1, server={"probe_interval": 60})
+        document["upstreams"]["other"] = {"url": other_url, "slots": 1}
+        gateway.reload(parse_config(document, environ={}))
+        self.assertEqual(
+            gateway.readiness.report()[1]["other"], {"ready": False, "detail": "not probed yet"}
+        )
+        await wait_for(lambda: gateway.readiness.report()[0], 5.0, "the new upstream's probe")
