@@ -317,6 +317,9 @@ class GatewayService(Service):
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
         self.gateway = Gateway(self.config, self.reactor)
+        # SIGHUP's default action ends the process: handle it before saying "listening". The
+        # reactor leaves SIGHUP alone; it installs its own SIGTERM and SIGINT as it starts.
+        self._handle(signal.SIGHUP)
         try:
             self.port = listen_now(serverFromString(self.reactor, self.listen), self.gateway.site)
         except CannotListenError as e:
@@ -330,19 +333,19 @@ class GatewayService(Service):
         assert self.gateway is not None
         self.gateway.start()
         # After the reactor's own handlers, which it installs as it starts running.
-        self.reactor.callWhenRunning(self._install_signal_handlers)
+        self.reactor.callWhenRunning(self._handle, signal.SIGTERM, signal.SIGINT)
         if os.environ.get(PROFILE_ENV):
             self._profiler = cProfile.Profile()
             self._profiler.enable()
 
-    def _install_signal_handlers(self) -> None:
-        def deliver(number: int, _frame: object) -> None:
-            # A signal handler runs between two bytecodes of whatever the reactor was doing:
-            # hand the work to the reactor's thread and return.
-            self.reactor.callFromThread(self.on_signal, number)
+    def _handle(self, *numbers: int) -> None:
+        for number in numbers:
+            signal.signal(number, self._deliver)
 
-        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(number, deliver)
+    def _deliver(self, number: int, _frame: object) -> None:
+        # A signal handler runs between two bytecodes of whatever the reactor was doing: hand
+        # the work to the reactor's thread (run once it runs) and return.
+        self.reactor.callFromThread(self.on_signal, number)
 
     def on_signal(self, number: int) -> None:
         name = signal.Signals(number).name
@@ -368,7 +371,10 @@ class GatewayService(Service):
         try:
             config = load_config(self.config_path)
         except ConfigError as e:
-            log.error("homelab-gateway: reload failed, still running the previous config: {e}", e=e)
+            log.error(
+                "homelab-gateway: reload failed, still running the previous config: {error}",
+                error=str(e),
+            )
             return
         changes = self.gateway.reload(config)
         self.config = config
