@@ -434,3 +434,11 @@ def test_sighup_reloads_under_load_and_keeps_running_on_an_invalid_file(tmp_path
         stub.stop()
     for name in ("held", "queued"):
         assert results[name][-1] == "event: message_stop", results
+
+
+def test_sighup_right_after_listening_reloads_rather_than_kills(tmp_path: Path) -> None:
+    """`systemctl reload` just after start: SIGHUP's default action would end the process."""
+    gateway, _ = start_gateway(tmp_path, "")
+    gateway.signal(signal.SIGHUP)
+    gateway.wait_for_line(r"config reloaded from .*gateway\.toml: 0 changes")
+    assert gateway.stopped_cleanly(), "".join(gateway.output)
