@@ -11,7 +11,9 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.protocol import ClientFactory
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
@@ -77,6 +79,26 @@ class Drain(LLMSurface):
         await cut.closed
         self.assertEqual(cut.status, 503, cut.raw)
         self.assertFalse(self.servers.gateway.cut_short(), "nothing is left to cut")
+
+
+class KeepAliveDrain(LLMSurface):
+    @async_test
+    async def test_an_idle_keep_alive_connection_is_closed_by_the_drain(self) -> None:
+        idle = RawResponse()
+
+        class Once(ClientFactory):
+            def buildProtocol(self, addr: Any) -> RawResponse:
+                return idle
+
+        idle.connectionMade = lambda: idle.transport.write(  # type: ignore[method-assign]
+            b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n"
+        )
+        reactor.connectTCP("127.0.0.1", self.port, Once())
+        await idle.until_text('"ok"')
+        self.assertFalse(idle.closed.called, "HTTP/1.1 keeps the connection open")
+        await self.servers.gateway.drain()
+        self.assertEqual(self.servers.gateway.site.connections, set())
+        await idle.closed
 
 
 class _SilentTokenizer(Resource):
