@@ -101,6 +101,34 @@ class KeepAliveDrain(LLMSurface):
         await idle.closed
 
 
+class _StuckChannel:
+    """A connection whose client stopped reading: closing it never completes on its own."""
+
+    def __init__(self, site: Any) -> None:
+        self.site = site
+        self.transport = self
+        self.aborted = False
+
+    def loseConnection(self) -> None:
+        """Waits for buffered bytes that the client never takes."""
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+        self.site.connection_lost(self)
+
+
+class StuckClientDrain(LLMSurface):
+    @async_test
+    async def test_a_client_that_stopped_reading_is_cut_after_the_close_timeout(self) -> None:
+        gateway = self.servers.gateway
+        gateway.close_timeout = 0.2
+        stuck = _StuckChannel(gateway.site)
+        gateway.site.connection_made(stuck)
+        await gateway.drain()
+        self.assertTrue(stuck.aborted)
+        self.assertEqual(gateway.site.connections, set())
+
+
 class _SilentTokenizer(Resource):
     """An upstream whose /tokenize never answers: a count_tokens still running at the end of
     the grace."""

@@ -56,6 +56,8 @@ class Gateway:
     changed in place, so a reload reaches them all; a pool whose upstream stays keeps its
     object, so its held slots and its line of waiters carry over."""
 
+    close_timeout = CLOSE_TIMEOUT
+
     def __init__(self, config: Config, reactor: Any) -> None:
         self.config = config
         self.reactor = reactor
@@ -234,11 +236,11 @@ class Gateway:
 
     async def _close_connections(self) -> None:
         """Close idle keep-alive connections at once and the others once their buffered bytes
-        are written, bounded by CLOSE_TIMEOUT for a client that stopped reading."""
+        are written, bounded by `close_timeout` for a client that stopped reading."""
         for channel in list(self.site.connections):
             channel.loseConnection()
         with suppress(DeferredTimeout):
-            await self.site.all_closed().addTimeout(CLOSE_TIMEOUT, self.reactor)
+            await self.site.all_closed().addTimeout(self.close_timeout, self.reactor)
         for channel in list(self.site.connections):
             channel.transport.abortConnection()
 
