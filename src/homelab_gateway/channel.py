@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
@@ -57,6 +58,7 @@ class GatewayChannel(HTTPChannel):
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        self.site.connection_made(self)
         # SSE is many small writes: with Nagle, each could wait for the ACK of the one before
         # (up to 40 ms with delayed ACKs on a real network). Loopback benchmarks cannot show it.
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
@@ -133,6 +135,7 @@ class GatewayChannel(HTTPChannel):
     def connectionLost(self, reason: Any) -> None:
         self._cancel_deadline()
         super().connectionLost(reason)
+        self.site.connection_lost(self)
 
     def _too_slow(self) -> None:
         self._deadline = None
@@ -219,6 +222,28 @@ class GatewaySite(Site):
     def __init__(self, resource: Any, limits: WireLimits, **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)
         self.limits = limits
+        # Open connections, so shutdown can close them and wait until each has written out
+        # what it was given: the reactor drops whatever is still buffered when it stops.
+        self.connections: set[GatewayChannel] = set()
+        self._closed: list[Deferred[None]] = []
+
+    def connection_made(self, channel: GatewayChannel) -> None:
+        self.connections.add(channel)
+
+    def connection_lost(self, channel: GatewayChannel) -> None:
+        self.connections.discard(channel)
+        if not self.connections:
+            closed, self._closed = self._closed, []
+            for waiter in closed:
+                waiter.callback(None)
+
+    def all_closed(self) -> Deferred[None]:
+        """Fires once no connection is open (cancellable)."""
+        if not self.connections:
+            return succeed(None)
+        d: Deferred[None] = Deferred(self._closed.remove)
+        self._closed.append(d)
+        return d
 
     def log(self, request: Any) -> None:
         """No combined-format access line: each request gets one structured event instead

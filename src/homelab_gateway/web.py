@@ -69,7 +69,7 @@ class GatewayApp:
             record.outcome, record.status = refusal.outcome, refusal.status
             self.telemetry.finish(record)
             return send_error(request, refusal, anthropic=anthropic)
-        return self.inflight.run(request, record, work(record))
+        return self.inflight.run(request, record, work(record), anthropic=anthropic)
 
     def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
         """CORS and, where `protected`, the API key for a read-only endpoint; an answer if the
