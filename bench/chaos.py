@@ -275,8 +275,15 @@ def drain_under_load(workdir: Path, clients: int = 16, slots: int = 3) -> dict[s
     the in-flight ones get their whole answer, the queued ones a 529 or an error frame, and
     the process exits 0 with no traceback."""
     workdir.mkdir()
-    stub, stub_url = start_stub(workdir, "--hold", "1", "--delay", "0.01")
-    text = config(stub_url, slots=slots).replace("[server]", "[server]\nshutdown_grace = 20")
+    # Each answer takes ~3.5 s (a 3 s prefill, then 40 tokens): every client must have arrived
+    # before the first answer ends, even on a loaded machine. The chaos config's 1 s
+    # idle_timeout would cut such a prefill, so this stack has a longer one.
+    stub, stub_url = start_stub(workdir, "--hold", "3", "--delay", "0.01")
+    text = (
+        config(stub_url, slots=slots)
+        .replace("[server]", "[server]\nshutdown_grace = 20")
+        .replace("idle_timeout = 1\n", "idle_timeout = 30\n")
+    )
     gateway, url = start_gateway(workdir, text)
 
     async def load() -> list[tuple[bool, Result]]:
