@@ -1,4 +1,5 @@
-"""A small chaos run in the normal suite (bench/chaos.py runs the 2,000-request one)."""
+"""A small chaos run in the normal suite (bench/chaos.py runs the 2,000-request one), with
+config reloads during the load and a SIGTERM drain under load at the end."""
 
 from __future__ import annotations
 
@@ -13,4 +14,9 @@ def test_a_few_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:
     assert report["unhandled_errors"] == 0
     assert report["after"]["slots_in_use"] == 0 and report["after"]["waiting"] == 0
     assert report["after"]["stub_in_flight"] == 0 and report["after"]["healthz"] == 200
+    reloads = report["reloads"]
+    assert reloads["valid"] > 0 and reloads["invalid"] > 0, reloads
+    assert (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])
+    assert report["exit_status"] == 0
+    assert report["drain"]["ok"], report["drain"]
     assert report["ok"]
