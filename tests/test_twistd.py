@@ -415,7 +415,8 @@ def test_sighup_reloads_under_load_and_keeps_running_on_an_invalid_file(tmp_path
         )
         gateway.signal(signal.SIGHUP)
         gateway.wait_for_line(r"config reloaded from .*gateway\.toml: 2 changes")
-        assert status(url) == {"slots": 2, "in_use": 2, "waiting": 0}
+        slots = {k: v for k, v in status(url).items() if k in ("slots", "in_use", "waiting")}
+        assert slots == {"slots": 2, "in_use": 2, "waiting": 0}
         with urllib.request.urlopen(url + "/llm/v1/models", timeout=5) as response:
             assert [m["id"] for m in json.load(response)["data"]] == ["reasoning", "fast"]
 
