@@ -14,6 +14,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
+from homelab_gateway.config import parse_config
 from homelab_gateway.stub import StubLog, StubSettings, stub_site
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
@@ -72,6 +73,7 @@ class FairLine(TestCase):
             },
         }
         document["queue"] = {"aging": self.aging}
+        self.document = document
         self.servers.start_gateway(document, environ=KEYS)
         self.port = self.servers.gateway_port
 
@@ -162,6 +164,28 @@ class Ordering(FairLine):
             'homelab_gateway_queue_wait_by_class_seconds_count{class="interactive",upstream="vllm"}',
         ):
             self.assertIn(line, text)
+
+
+class Reload(FairLine):
+    @async_test
+    async def test_a_reload_changes_weights_and_caps_and_nobody_loses_a_place(self) -> None:
+        busy = [self.send("flood-key", tagged(f"busy-{i}")) for i in range(2)]
+        await wait_for(lambda: self.line.in_use == 2, 5.0, "the slots to fill")
+        queued = [self.send("nightly-key", tagged(f"n-{i}")) for i in range(2)]
+        await wait_for(lambda: len(self.line.waiting) == 2, 5.0, "two to queue")
+        document = json.loads(json.dumps(self.document))
+        document["clients"]["nightly"]["max_waiting"] = 0
+        document["clients"]["flood"]["weight"] = 3
+        document["queue"]["aging"] = 30
+        changes = self.servers.gateway.reload(parse_config(document, environ=KEYS))
+        self.assertIn("queue.aging: 600 -> 30", changes)
+        self.assertEqual(len(self.line.waiting), 2, "a waiter lost its place")
+        self.assertEqual(self.line.line.aging, 30.0)
+        refused = self.send("nightly-key", tagged("n-late", stream=False))
+        await refused.closed
+        self.assertEqual(refused.status, 529)
+        await self.drain([*busy, *queued])
+        self.assertEqual(self.started()[2:], ["n-0", "n-1"])
 
 
 class Overtaking(FairLine):

@@ -53,6 +53,20 @@ class Changes(SynchronousTestCase):
             ],
         )
 
+    def test_clients_and_queue_changes_name_the_client_never_its_key(self) -> None:
+        new = json.loads(json.dumps(BASE))
+        new["clients"] = {"chat": {"key_env": "CHAT", "priority": "interactive"}}
+        new["queue"] = {"aging": 60}
+        self.assertEqual(
+            self.changes(new, CHAT="chat-secret"),
+            ["client 'chat' added (interactive, weight 1)", "queue.aging: 120 -> 60"],
+        )
+        old = config(new, K="s1", CHAT="chat-secret")
+        newer = json.loads(json.dumps(new))
+        newer["clients"]["chat"]["weight"] = 2
+        changed = config_changes(old, config(newer, K="s1", CHAT="other-secret"))
+        self.assertEqual(changed, ["client 'chat': key_sha256 changed, weight 1 -> 2"])
+
     def test_removed_upstream_says_it_finishes_what_it_holds(self) -> None:
         new = {"upstreams": {"o": {"url": "http://o/v1", "slots": 1}}}
         self.assertIn(

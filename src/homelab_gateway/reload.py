@@ -14,7 +14,7 @@ from typing import Any
 
 from homelab_gateway.config import Config
 
-SECRET_FIELDS = frozenset({"api_key"})
+SECRET_FIELDS = frozenset({"api_key", "key_sha256"})
 RESTART_ONLY = frozenset({"listen", "log_format"})
 
 
@@ -43,6 +43,15 @@ def config_changes(old: Config, new: Config) -> list[str]:
     changes += _table_changes(
         "model", old.models, new.models, added=lambda m: f"(upstream {m.upstream})"
     )
+    changes += _table_changes(
+        "client",
+        old.clients,
+        new.clients,
+        added=lambda c: f"({c.priority}, weight {_show(c.weight)})",
+        removed="its key is refused from now on; its waiting requests keep their place",
+    )
+    if old.queue.aging != new.queue.aging:
+        changes.append(f"queue.aging: {_show(old.queue.aging)} -> {_show(new.queue.aging)}")
     changes += _table_changes(
         "route",
         {r.prefix: r for r in old.routes},
