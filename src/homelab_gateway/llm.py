@@ -33,7 +33,7 @@ from homelab_gateway.translator import (
     UpstreamDecoder,
     error_event,
 )
-from homelab_gateway.upstream import Backpressure, UpstreamBroken
+from homelab_gateway.upstream import AnswerComplete, Backpressure, UpstreamBroken
 
 PING_FRAME = encode_event({"type": "ping"})
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
@@ -100,13 +100,13 @@ class EventStream:
         self._timer = None
 
 
+class _TranslationOver(Exception):
+    """The translator failed the stream: stop reading the upstream and close it at once."""
+
+
 def _no_constant(name: str) -> Any:
     """NaN and Infinity are not JSON; Python accepts them, and would send them upstream."""
     raise ValueError(f"{name} is not a JSON number")
-
-
-class _TranslationOver(Exception):
-    """The translator has said its last word; stop reading the upstream."""
 
 
 class Messages:
@@ -270,6 +270,10 @@ class Messages:
 
         def on_data(data: bytes) -> None:
             deliver(decoder.feed(data))
+            if translator.phase is Phase.DONE:
+                # `[DONE]` (vLLM, Ollama and llama.cpp all send it, after the finish chunk and
+                # the usage chunk): the answer is over, whatever the body does next.
+                raise AnswerComplete()
             if translator.phase is Phase.FAILED:
                 raise _TranslationOver()
 

@@ -49,6 +49,10 @@ SCENARIOS = {
     "error500": "HTTP 500 before the stream",
     "error400": "HTTP 400 (prompt too long) before the stream",
     "overloaded": "HTTP 503 before the stream",
+    "open-after-done": "the whole answer and [DONE], then the body stays open",
+    "endless-error": "HTTP 500 whose body never ends",
+    "long-line": "a few tokens, then a data line that never ends (64 KiB per step)",
+    "hangup": "reads the request, then closes the connection without answering",
 }
 
 
@@ -145,7 +149,7 @@ class _Generation:
 
     def _plan(self) -> Iterator[bytes | str]:
         """Yields SSE payloads (bytes, already framed) or control words: 'reset', 'truncate',
-        'stall'."""
+        'stall', 'hold-open' (after [DONE]: leave the body open)."""
         settings = self.stub.settings
         max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens") or 10**9
         scenario = self.scenario
@@ -157,7 +161,11 @@ class _Generation:
             content_n = 2000
         if scenario == "reasoning-only":
             reasoning_n, content_n = 10**9, 0
-        if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort"):
+        if scenario == "endless-error":
+            yield b'{"error": {"message": "stub: '
+            while True:
+                yield b"x" * 16384
+        if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort", "long-line"):
             reasoning_n, content_n = min(reasoning_n, 2), 2
 
         yield self._chunk({"role": "assistant", "content": ""})
@@ -178,11 +186,15 @@ class _Generation:
                 "code": 500,
             }
             yield _frame({"error": error})
-            yield _frame("[DONE]")
+            yield DONE_FRAME
             return
         if scenario == "garbage":
             yield b"data: {this is not json\n\n"
             return
+        if scenario == "long-line":
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "'
+            while True:
+                yield b"x" * 65536
         if scenario in ("reset", "truncate", "stall"):
             yield scenario
             return
@@ -201,7 +213,9 @@ class _Generation:
         yield self._chunk({"content": ""}, finish=finish, stop_reason=stop_reason)
         if self.include_usage:
             yield _frame(self._envelope([], usage=True))
-        yield _frame("[DONE]")
+        yield DONE_FRAME
+        if scenario == "open-after-done":
+            yield "hold-open"
 
     def _tool_calls(self, count: int) -> Iterator[bytes]:
         tools = self.body.get("tools") or []
@@ -270,8 +284,8 @@ class _Generation:
 
     # -- sending it --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.request.setHeader(b"content-type", b"text/event-stream")
+    def start(self, content_type: bytes = b"text/event-stream") -> None:
+        self.request.setHeader(b"content-type", content_type)
         self.request.setHeader(b"cache-control", b"no-cache")
         self.request.write(b"")  # headers now, like vLLM; tokens after the prefill
         self.request.registerProducer(self, True)
@@ -302,6 +316,14 @@ class _Generation:
             return  # nothing more until the client gives up
         assert isinstance(chunk, bytes)
         self.request.write(chunk)
+        if chunk == DONE_FRAME:
+            # vLLM's engine has finished the sequence before it yields [DONE]: the generation
+            # is over here, and the body's end follows at once (unless the scenario holds it).
+            self._finish("complete", finish=self.finish_reason, tokens=self.completion_tokens)
+            if next(self._chunks, None) != "hold-open":
+                self.request.unregisterProducer()
+                self.request.finish()
+            return
         self._schedule(self.stub.settings.delay)
 
     def _finish(self, event: str, **fields: Any) -> None:
@@ -344,6 +366,8 @@ class _Generation:
         for chunk in self._chunks:
             if not isinstance(chunk, bytes) or not chunk.startswith(b"data: {"):
                 continue
+            if not chunk.endswith(b"\n\n"):
+                break  # a line that never ends (long-line): answer with what came before it
             document = json.loads(chunk[6:])
             if "error" in document:
                 raise _HTTPError(500, document["error"]["message"])
@@ -382,6 +406,9 @@ class _Generation:
             },
         }
         return json.dumps(completion).encode()
+
+
+DONE_FRAME = b"data: [DONE]\n\n"
 
 
 class _HTTPError(Exception):
@@ -485,9 +512,17 @@ class StubResource(Resource):
             self.log.write("refused", request_id, status=refusal[0])
             request.setResponseCode(refusal[0])
             return _error_body(*refusal)
+        if generation.scenario == "hangup":
+            self.log.write("hangup", request_id)
+            request.channel.transport.loseConnection()
+            return NOT_DONE_YET
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
         request.notifyFinish().addErrback(generation.client_left)
+        if generation.scenario == "endless-error":
+            request.setResponseCode(500)
+            generation.start(b"application/json")
+            return NOT_DONE_YET
         if body.get("stream"):
             generation.start()
             return NOT_DONE_YET
