@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from twisted.internet.defer import DeferredSemaphore
 from twisted.internet.defer import TimeoutError as DeferredTimeout
@@ -14,6 +14,11 @@ from homelab_gateway.telemetry import RequestRecord
 from homelab_gateway.upstream import Upstream
 
 QUEUE_FULL_RETRY_AFTER = 5
+TOKENIZE_CONCURRENCY = 4
+"""At most this many `/tokenize` requests in flight per upstream (count_tokens). Tokenizing
+runs in vLLM's API server, not its engine, so it takes no generation slot (a count must not
+wait minutes behind generations); but it is still bounded, so a burst of count_tokens cannot
+open a connection each."""
 
 
 @dataclass
@@ -22,6 +27,9 @@ class Pool:
     slots: PositionedSemaphore
     queue_timeout: float
     continuous_usage_stats: bool = True
+    tokenizer: DeferredSemaphore = field(
+        default_factory=lambda: DeferredSemaphore(TOKENIZE_CONCURRENCY)
+    )
 
     async def hold_slot(
         self,
@@ -57,3 +65,13 @@ class Pool:
             ) from None
         finally:
             record.queue_wait = clock.seconds() - started
+
+    async def hold_tokenizer(self, clock: IReactorTime) -> DeferredSemaphore | None:
+        """One of the upstream's TOKENIZE_CONCURRENCY places (FIFO), or None after waiting
+        `connect_timeout`: the caller then answers with its estimate. The caller releases."""
+        d = self.tokenizer.acquire()
+        d.addTimeout(self.upstream.connect_timeout, clock)
+        try:
+            return await d
+        except DeferredTimeout:
+            return None

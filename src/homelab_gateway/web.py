@@ -27,6 +27,10 @@ from homelab_gateway.respond import new_request_id, send_error, send_json
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
+TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
+"""vLLM's /tokenize answer lists every token id (about 7 bytes each): 8 MiB covers a
+million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
+short and fall back to the estimate."""
 
 Work = Callable[[RequestRecord], Coroutine[Any, Any, Any]]
 
@@ -123,7 +127,8 @@ class GatewayApp:
         return send_json(request, 200, {"input_tokens": record.input_tokens})
 
     async def _tokenize(self, pool: Pool, body: Mapping[str, Any]) -> int | None:
-        """vLLM's exact count from its /tokenize (beside /v1); None where there is none."""
+        """vLLM's exact count from its /tokenize (beside /v1); None where there is none, or
+        when no tokenizer place came free within `connect_timeout` (see pool.hold_tokenizer)."""
         upstream = pool.upstream
         base = upstream.url.removesuffix("/v1")
         payload = {
@@ -134,13 +139,18 @@ class GatewayApp:
         if "tools" in body:
             payload["tools"] = body["tools"]
         headers = {b"content-type": [b"application/json"]}
+        place = await pool.hold_tokenizer(self.messages.clock)
+        if place is None:
+            return None
         try:
             response = await upstream.open(
                 "POST", base + "/tokenize", headers, json.dumps(payload).encode()
             )
-            text = await upstream.read_limited(response)
+            text = await upstream.read_limited(response, TOKENIZE_BODY_LIMIT)
         except GatewayError:
             return None
+        finally:
+            place.release()
         if response.code != 200:
             return None
         try:
