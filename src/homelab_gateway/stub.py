@@ -29,6 +29,9 @@ from twisted.python import usage
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+ENDLESS_CAP = 32 * 1024 * 1024
+"""What "never ends" means for endless-error and long-line: past any sane gateway's limit, yet
+a broken gateway reading it all cannot take the machine down; after it, silence."""
 REASONING_TEXT = "The user wants a short friendly answer so I will greet them and keep it brief"
 CONTENT_TEXT = "Hello! I am a stub model answering from the homelab gateway test upstream."
 TOOL_ARGUMENTS = ['{"city', '": "', "Par", 'is", "unit', '": "c', 'elsius"}']
@@ -50,8 +53,8 @@ SCENARIOS = {
     "error400": "HTTP 400 (prompt too long) before the stream",
     "overloaded": "HTTP 503 before the stream",
     "open-after-done": "the whole answer and [DONE], then the body stays open",
-    "endless-error": "HTTP 500 whose body never ends",
-    "long-line": "a few tokens, then a data line that never ends (64 KiB per step)",
+    "endless-error": "HTTP 500 whose body never ends (32 MiB, then silence)",
+    "long-line": "a few tokens, then a data line that never ends (32 MiB, then silence)",
     "hangup": "reads the request, then closes the connection without answering",
 }
 
@@ -74,6 +77,9 @@ class StubStats:
     completed: int = 0
     cancelled: int = 0
     paused: int = 0  # times a client's full send buffer paused a generation (backpressure)
+    hangups: int = 0  # requests read and then dropped unanswered (scenario hangup)
+    held_open: int = 0  # bodies open right now after their [DONE] (scenario open-after-done)
+    endless_bytes: int = 0  # the most an endless-error/long-line body sent before it was cut
     models: dict[str, int] = field(default_factory=dict)
 
 
@@ -140,6 +146,8 @@ class _Generation:
         self._call: IDelayedCall | None = None
         self._paused = False
         self._done = False
+        self._held_open = False
+        self.sent = 0
         options = body.get("stream_options") or {}
         self.include_usage = bool(options.get("include_usage"))
         self.continuous = bool(options.get("continuous_usage_stats"))
@@ -163,8 +171,8 @@ class _Generation:
             reasoning_n, content_n = 10**9, 0
         if scenario == "endless-error":
             yield b'{"error": {"message": "stub: '
-            while True:
-                yield b"x" * 16384
+            yield from _endless(16384)
+            return
         if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort", "long-line"):
             reasoning_n, content_n = min(reasoning_n, 2), 2
 
@@ -193,8 +201,8 @@ class _Generation:
             return
         if scenario == "long-line":
             yield b'data: {"choices": [{"index": 0, "delta": {"content": "'
-            while True:
-                yield b"x" * 65536
+            yield from _endless(65536)
+            return
         if scenario in ("reset", "truncate", "stall"):
             yield scenario
             return
@@ -316,11 +324,15 @@ class _Generation:
             return  # nothing more until the client gives up
         assert isinstance(chunk, bytes)
         self.request.write(chunk)
+        self.sent += len(chunk)
         if chunk == DONE_FRAME:
             # vLLM's engine has finished the sequence before it yields [DONE]: the generation
             # is over here, and the body's end follows at once (unless the scenario holds it).
             self._finish("complete", finish=self.finish_reason, tokens=self.completion_tokens)
-            if next(self._chunks, None) != "hold-open":
+            if next(self._chunks, None) == "hold-open":
+                self._held_open = True
+                self.stub.stats.held_open += 1
+            else:
                 self.request.unregisterProducer()
                 self.request.finish()
             return
@@ -335,6 +347,12 @@ class _Generation:
 
     def client_left(self, reason: Any) -> None:
         self._cancel_call()
+        stats = self.stub.stats
+        if self._held_open:
+            self._held_open = False
+            stats.held_open -= 1
+        if self.scenario in ("endless-error", "long-line"):
+            stats.endless_bytes = max(stats.endless_bytes, self.sent)
         if not self._done:
             self.stub.stats.cancelled += 1
             self._finish("cancelled")
@@ -409,6 +427,12 @@ class _Generation:
 
 
 DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def _endless(size: int) -> Iterator[bytes | str]:
+    for _ in range(ENDLESS_CAP // size):
+        yield b"x" * size
+    yield "stall"
 
 
 class _HTTPError(Exception):
@@ -513,6 +537,7 @@ class StubResource(Resource):
             request.setResponseCode(refusal[0])
             return _error_body(*refusal)
         if generation.scenario == "hangup":
+            stats.hangups += 1
             self.log.write("hangup", request_id)
             request.channel.transport.loseConnection()
             return NOT_DONE_YET
