@@ -8,7 +8,8 @@ chunk, a non-standard `stop_reason`, usage on every chunk with `continuous_usage
 after `hold` seconds, like a prefill.
 
 A word in the last user message picks a scenario (see SCENARIOS). The log gets a line when a
-request starts, when it completes and, the moment the client leaves early, `cancelled`.
+request starts, when it completes (when `[DONE]` is written, as vLLM's engine is done by then),
+on a `hangup` and, the moment the client leaves early, `cancelled`.
 """
 
 from __future__ import annotations
@@ -586,7 +587,7 @@ class Options(usage.Options):
         ["reasoning-tokens", None, 8, "Reasoning tokens per answer (0: no reasoning)", int],
         ["content-tokens", None, 8, "Content tokens per answer", int],
         ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
-        ["log", None, None, "Append a line per request start, completion and cancellation"],
+        ["log", None, None, "Append a line per request start, completion, cancellation, hangup"],
     ]
 
     def __init__(self) -> None:
