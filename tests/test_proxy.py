@@ -594,3 +594,31 @@ class CountTokensCap(TestCase):
         self.assertEqual(tokenizer.most, TOKENIZE_CONCURRENCY)
         for response in responses:
             self.assertEqual(json.loads(response.body_text()), {"input_tokens": 7})
+
+
+class ErrorBodyBounds(TestCase):
+    def test_an_error_body_trickling_forever_is_given_up_after_connect_timeout(self) -> None:
+        """Under the size limit but never ending: the time bound answers the client (issue 10,
+        item 4); the idle timer alone would wait forever for a byte every few seconds."""
+        clock = Clock()
+        upstream = Upstream(
+            name="vllm", url="", http=None, clock=clock, connect_timeout=5, idle_timeout=300
+        )
+        transport = StringTransport()
+        protocols: list[Protocol] = []
+
+        class Response:
+            def deliverBody(self, protocol: Protocol) -> None:
+                protocols.append(protocol)
+                protocol.makeConnection(transport)
+
+        body = Deferred.fromCoroutine(upstream.read_limited(Response()))  # type: ignore[arg-type]
+        got: list[bytes] = []
+        body.addCallback(got.append)
+        for _ in range(4):
+            protocols[0].dataReceived(b'{"error"')
+            clock.advance(1)
+        self.assertEqual(got, [])
+        clock.advance(1)
+        self.assertEqual(got, [b'{"error"' * 4])
+        self.assertEqual(transport.producerState, "stopped", "the connection is closed")
