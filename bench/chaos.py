@@ -10,14 +10,23 @@ held open at the stub, every finished answer grammatical or an error in Anthropi
 no frame after `message_stop`, no endless body read past the gateway's limits, no request
 sent to the upstream twice, no unhandled error in the gateway's log, and /healthz still
 answering. tests/test_chaos.py runs a smaller one.
+
+Meanwhile the config is reloaded (SIGHUP) every `RELOAD_EVERY` seconds, cycling through fewer
+slots, an invalid file and the original: every answer must stay as valid as without reloads.
+Last, on a fresh stack whose upstream takes a second per answer, SIGTERM lands while
+non-streaming and streaming clients are in flight and queued: each in-flight one must get its
+whole answer, each queued one its 529 (or error frame), none a dropped connection, and the
+process must exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -28,7 +37,7 @@ from typing import Any
 
 from bench.client import Result, get_json, request
 from tests.grammar import check_stream
-from tests.processes import Process, start_gateway, start_stub
+from tests.processes import Process, start_gateway, start_stub, wait_until
 
 GOOD = {"default": 4, "content-only": 2, "tool": 1, "open-after-done": 1}
 BAD = {
@@ -64,20 +73,32 @@ MALFORMED = [
 ]
 
 
-def config(stub_url: str) -> str:
+RELOAD_EVERY = 0.5
+
+
+def config(stub_url: str, slots: int = 3) -> str:
     return f"""
 [server]
 ping_interval = 0.5
 
 [upstreams.vllm]
 url = "{stub_url}"
-slots = 3
+slots = {slots}
 idle_timeout = 1
 queue_limit = 10000
 
 [models.reasoning]
 upstream = "vllm"
 """
+
+
+def reload_configs(stub_url: str) -> list[tuple[str, bool]]:
+    """The files a reload cycles through, each with whether it is valid."""
+    return [
+        (config(stub_url, slots=2), True),
+        (config(stub_url).replace("slots = 3", "slots = 0"), False),
+        (config(stub_url), True),
+    ]
 
 
 def pick(rng: random.Random, weights: dict[str, int]) -> str:
@@ -137,7 +158,10 @@ def verdict(scenario: str, behaviour: str, result: Result) -> str | None:
     return None
 
 
-async def chaos(url: str, n: int, concurrency: int, seed: int) -> dict[str, Any]:
+async def chaos(
+    url: str, n: int, concurrency: int, seed: int, reload: Any = None
+) -> dict[str, Any]:
+    """`reload(i)`, if given, is called every RELOAD_EVERY seconds while the requests run."""
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency)
     problems: list[str] = []
@@ -168,8 +192,22 @@ async def chaos(url: str, n: int, concurrency: int, seed: int) -> dict[str, Any]
         if problem is not None:
             problems.append(f"#{i} {scenario}/{behaviour}: {problem}")
 
+    async def reloading(done: asyncio.Event) -> None:
+        i = 0
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), RELOAD_EVERY)
+            if not done.is_set():
+                reload(i)
+                i += 1
+
     started = time.monotonic()
+    done = asyncio.Event()
+    reloader = asyncio.create_task(reloading(done)) if reload is not None else None
     await asyncio.gather(*(one(i) for i in range(n)))
+    done.set()
+    if reloader is not None:
+        await reloader
     return {
         "requests": n,
         "seconds": round(time.monotonic() - started, 1),
@@ -208,17 +246,34 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
         workdir, "--hold", "0.05", "--delay", "0.005", "--content-tokens", "12"
     )
     gateway: Process | None = None
+    files = reload_configs(stub_url)
+    sent = {True: 0, False: 0}
+
+    def reload(i: int) -> None:
+        text, valid = files[i % len(files)]
+        (workdir / "gateway.toml").write_text(text)
+        assert gateway is not None
+        gateway.signal(signal.SIGHUP)
+        sent[valid] += 1
+
     try:
         gateway, url = start_gateway(workdir, config(stub_url))
-        report = asyncio.run(chaos(url, n, concurrency, seed))
+        report = asyncio.run(chaos(url, n, concurrency, seed, reload))
         report["after"] = settle(url, stub_url)
     finally:
-        if gateway is not None:
-            gateway.stop()
+        exit_status = gateway.stop() if gateway is not None else None
         stub.stop()
-    log = "".join(gateway.output) if gateway is not None else ""
+    log = gateway.all_output() if gateway is not None else ""
     report["unhandled_errors"] = log.count("Unhandled") + log.count("Traceback")
-    after = report["after"]
+    report["reloads"] = {
+        "valid": sent[True],
+        "invalid": sent[False],
+        "applied": log.count("config reloaded from"),
+        "refused": log.count("reload failed, still running the previous config"),
+    }
+    report["exit_status"] = exit_status
+    report["drain"] = drain_under_load(workdir / "drain")
+    after, reloads = report["after"], report["reloads"]
     if after["stub_hangups"] > report["hangups_sent"]:
         report["problems"].append(
             f"the upstream was sent {after['stub_hangups']} hangup requests for "
@@ -239,8 +294,83 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
             == 0
             and after["healthz"] == 200
         )
+        and (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])
+        and exit_status == 0
+        and report["drain"]["ok"]
     )
     return report
+
+
+def drain_under_load(workdir: Path, clients: int = 16, slots: int = 3) -> dict[str, Any]:
+    """SIGTERM with `slots` answers in flight and the rest queued, most of them non-streaming:
+    the in-flight ones get their whole answer, the queued ones a 529 or an error frame, and
+    the process exits 0 with no traceback."""
+    workdir.mkdir()
+    # Each answer takes ~3.5 s (a 3 s prefill, then 40 tokens): every client must have arrived
+    # before the first answer ends, even on a loaded machine. The chaos config's 1 s
+    # idle_timeout would cut such a prefill, so this stack has a longer one.
+    stub, stub_url = start_stub(workdir, "--hold", "3", "--delay", "0.01")
+    text = (
+        config(stub_url, slots=slots)
+        .replace("[server]", "[server]\nshutdown_grace = 20")
+        .replace("idle_timeout = 1\n", "idle_timeout = 30\n")
+    )
+    gateway, url = start_gateway(workdir, text)
+
+    async def load() -> list[tuple[bool, Result]]:
+        def body(i: int, stream: bool) -> dict[str, Any]:
+            content = f"content-only please #{i}"
+            messages = [{"role": "user", "content": content}]
+            return {"model": "reasoning", "max_tokens": 40, "stream": stream, "messages": messages}
+
+        streams = [i % 4 == 3 for i in range(clients)]
+        tasks = [
+            asyncio.create_task(request(url + "/llm/v1/messages", body(i, s), timeout=60))
+            for i, s in enumerate(streams)
+        ]
+
+        def all_arrived() -> bool:
+            status = get_json(url + "/llm/v1/status")["upstreams"]["vllm"]
+            return status["in_use"] + status["waiting"] == clients
+
+        await asyncio.to_thread(wait_until, all_arrived)
+        gateway.signal(signal.SIGTERM)
+        return list(zip(streams, await asyncio.gather(*tasks), strict=True))
+
+    try:
+        results = asyncio.run(load())
+        exit_status = gateway.stop(timeout=30)
+    finally:
+        gateway.stop()
+        stub.stop()
+    outcomes: Counter[str] = Counter()
+    problems = []
+    for i, (stream, result) in enumerate(results):
+        kind = "stream" if stream else "whole"
+        if result.error is not None or result.status is None:
+            problems.append(f"#{i} {kind}: no answer ({result.error})")
+            continue
+        if stream and result.status == 200:
+            ending = check_stream([f.data for f in result.frames])
+            outcomes[f"{kind}:{ending}"] += 1
+            if ending not in ("complete", "error"):
+                problems.append(f"#{i} stream ended in {ending}")
+            continue
+        document = json.loads(result.body)
+        outcomes[f"{kind}:{result.status}"] += 1
+        if result.status == 200 and document.get("type") != "message":
+            problems.append(f"#{i} a 200 that is not a message: {document}")
+        elif result.status != 200 and document.get("type") != "error":
+            problems.append(f"#{i} {result.status} not in Anthropic shape: {document}")
+    completed = outcomes["whole:200"] + outcomes["stream:complete"]
+    log = gateway.all_output()
+    return {
+        "outcomes": dict(sorted(outcomes.items())),
+        "problems": problems,
+        "exit_status": exit_status,
+        "tracebacks": log.count("Traceback"),
+        "ok": not problems and completed == slots and exit_status == 0 and "Traceback" not in log,
+    }
 
 
 def main() -> None:

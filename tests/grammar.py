@@ -12,6 +12,15 @@ DELTA_FOR_BLOCK = {
 }
 
 
+PROMPT_USAGE = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+
+
+def check_usage(usage: dict[str, Any]) -> None:
+    """Anthropic's usage always carries the cache fields; `input_tokens` excludes cache reads."""
+    for key in (*PROMPT_USAGE, "output_tokens"):
+        assert isinstance(usage.get(key), int) and usage[key] >= 0, f"usage.{key}: {usage}"
+
+
 def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) -> str:
     """Assert the stream's grammar; return "complete" or "error" for how it ended.
 
@@ -36,9 +45,8 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["id"].startswith("msg_") and message["content"] == []
     assert message["stop_reason"] is None and message["stop_sequence"] is None
-    assert (
-        isinstance(message["usage"]["input_tokens"], int) and message["usage"]["input_tokens"] > 0
-    )
+    check_usage(message["usage"])
+    assert sum(message["usage"][k] for k in PROMPT_USAGE) > 0, "no prompt tokens counted"
 
     open_block: dict[str, Any] | None = None
     next_index = 0
@@ -58,17 +66,25 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
             assert block["type"] in DELTA_FOR_BLOCK
             if block["type"] == "tool_use":
                 assert block["id"].startswith("toolu_") and block["name"] and block["input"] == {}
-            open_block = {"index": event["index"], "type": block["type"]}
+            open_block = {"index": event["index"], "type": block["type"], "signed": False}
             next_index += 1
         elif kind == "content_block_delta":
             assert open_block is not None and event["index"] == open_block["index"], (
                 "delta outside its block"
             )
+            assert not open_block["signed"], "delta after the thinking block's signature_delta"
+            if event["delta"]["type"] == "signature_delta":
+                assert open_block["type"] == "thinking", "signature_delta outside a thinking block"
+                assert isinstance(event["delta"]["signature"], str)
+                open_block["signed"] = True
+                continue
             assert event["delta"]["type"] == DELTA_FOR_BLOCK[open_block["type"]]
             text = next(v for k, v in event["delta"].items() if k != "type")
             assert isinstance(text, str) and text, "empty delta"
         elif kind == "content_block_stop":
             assert open_block is not None and event["index"] == open_block["index"]
+            if open_block["type"] == "thinking":
+                assert open_block["signed"], "thinking block closed without a signature_delta"
             open_block = None
         elif kind == "message_delta":
             assert open_block is None, "message_delta with a block open"
@@ -81,6 +97,7 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
                 "refusal",
             )
             assert isinstance(event["usage"]["output_tokens"], int)
+            check_usage(event["usage"])
             finished = True
         elif kind == "message_stop":
             assert finished, "message_stop without message_delta"

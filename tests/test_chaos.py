@@ -1,4 +1,5 @@
-"""A small chaos run in the normal suite (bench/chaos.py runs the 2,000-request one)."""
+"""A small chaos run in the normal suite (bench/chaos.py runs the 2,000-request one), with
+config reloads during the load and a SIGTERM drain under load at the end."""
 
 from __future__ import annotations
 
@@ -16,4 +17,9 @@ def test_a_few_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:
     assert report["after"]["stub_held_open"] == 0, "a body left open after [DONE] stayed open"
     assert report["after"]["stub_hangups"] <= report["hangups_sent"], "a request went twice"
     assert 0 < report["after"]["stub_endless_bytes"] <= ENDLESS_BOUND
+    reloads = report["reloads"]
+    assert reloads["valid"] > 0 and reloads["invalid"] > 0, reloads
+    assert (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])
+    assert report["exit_status"] == 0
+    assert report["drain"]["ok"], report["drain"]
     assert report["ok"]

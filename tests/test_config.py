@@ -155,6 +155,10 @@ def test_bad_toml(tmp_path: Path) -> None:
             "auth.api_keys_file: cannot read /nonexistent/keys",
         ),
         ("[auth]\nkeys = ['a']", "auth.keys: unknown key"),
+        (
+            "[auth]\nprotect_metrics = true",
+            "auth.protect_metrics: needs API keys (api_keys_env or api_keys_file)",
+        ),
     ],
 )
 def test_every_mistake_names_the_key(tmp_path: Path, text: str, expected: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,13 @@ messages = st.lists(
     | json_values,
     max_size=4,
 )
+# Any text as a model name, lone surrogates included: none may become a metric label.
+model_names = st.one_of(
+    st.sampled_from(["reasoning", "ghost", "", 5, None]),
+    st.text(st.characters(exclude_categories=()), max_size=12),
+)
 request_bodies = st.fixed_dictionaries(
-    {"model": st.sampled_from(["reasoning", "ghost", "", 5, None])},
+    {"model": model_names},
     optional={
         "max_tokens": st.one_of(st.integers(-5, 2**64), st.sampled_from([0, 1, 64]), json_values),
         "messages": messages,
@@ -116,6 +122,7 @@ raw_bodies = st.one_of(
             b'{"model": NaN}',
             b'{"max_tokens": Infinity}',
             b'{"model": "reasoning", "max_tokens": 1e999}',
+            b'{"model": "x\\ud800", "max_tokens": 1, "messages": []}',
         ]
     ),
 )
@@ -150,7 +157,15 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
     stub, stub_url = start_stub(cwd, "--content-tokens", "3", "--reasoning-tokens", "2")
     process, url = start_gateway(cwd, one_upstream_config(stub_url, slots=4))
     parts = urlsplit(url)
-    yield parts.hostname or "127.0.0.1", parts.port or 0
+    address = parts.hostname or "127.0.0.1", parts.port or 0
+    yield address
+    connection = http.client.HTTPConnection(*address, timeout=20)
+    connection.request("GET", "/metrics")
+    scrape = connection.getresponse()
+    assert scrape.status == 200, "a fuzzed model name broke /metrics"
+    labels = set(re.findall(r'model="([^"]*)"', scrape.read().decode()))
+    assert labels <= {"reasoning", "unknown", ""}, "fuzzed model names became labels"
+    connection.close()
     process.stop()
     stub.stop()
     assert "Unhandled" not in "".join(process.output)

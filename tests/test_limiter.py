@@ -154,3 +154,53 @@ class Scale(TestCase):
         clock.advance(1)  # the last holders release; any pending pass runs
         self.assertEqual(sem.in_use, 0)
         self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class Resize(TestCase):
+    """A config reload changes `slots`: new grants follow the new limit, held slots stay."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.sem = PositionedSemaphore(2, self.clock)
+
+    def test_growing_hands_the_new_slots_to_the_head_of_the_line(self) -> None:
+        self.sem.acquire_in_line()
+        self.sem.acquire_in_line()
+        first, second, third = (self.sem.acquire_in_line() for _ in range(3))
+        self.sem.resize(4)
+        self.assertTrue(first.called and second.called and not third.called)
+        self.assertEqual((self.sem.limit, self.sem.in_use, self.sem.waiting), (4, 4, [third]))
+
+    def test_shrinking_revokes_nothing_and_grants_again_below_the_new_limit(self) -> None:
+        self.sem = PositionedSemaphore(3, self.clock)
+        for _ in range(3):
+            self.sem.acquire_in_line()
+        waiter = self.sem.acquire_in_line()
+        self.sem.resize(1)
+        self.assertEqual((self.sem.limit, self.sem.in_use), (1, 3))
+        self.sem.release()
+        self.sem.release()
+        self.assertFalse(waiter.called, "two held over a limit of 1: no grant yet")
+        self.assertEqual(self.sem.in_use, 1)
+        self.sem.release()
+        self.assertTrue(waiter.called)
+        self.assertEqual(self.sem.in_use, 1)
+        self.assertEqual(self.sem.acquire_in_line().called, False)
+
+    def test_a_free_slot_within_the_new_limit_is_taken_at_once(self) -> None:
+        self.sem.acquire_in_line()
+        self.sem.resize(1)
+        self.assertFalse(self.sem.acquire_in_line().called)
+        self.sem.resize(3)
+        self.assertEqual(self.sem.in_use, 2)
+        self.assertTrue(self.sem.acquire_in_line().called)
+
+    def test_waiters_keep_their_place_through_a_resize(self) -> None:
+        self.sem.acquire_in_line()
+        self.sem.acquire_in_line()
+        positions: list[list[int]] = [[], [], []]
+        for i in range(3):
+            self.sem.acquire_in_line(positions[i].append)
+        self.sem.resize(3)
+        self.clock.advance(1)
+        self.assertEqual(positions, [[1], [2, 1], [3, 2]])

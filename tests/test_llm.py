@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -389,3 +390,252 @@ class PoolNeverCachesAClosingConnection(TestCase):
         self.assertLess(
             UpstreamPool.cachedConnectionTimeout, 5, "must be under uvicorn's keep-alive"
         )
+
+
+CLAUDE_CODE_SYSTEM = " ".join(f"instruction{i}" for i in range(200))  # a long shared prefix
+
+
+def claude_code_chat(header: str, **extra: Any) -> dict[str, Any]:
+    """A request shaped as Claude Code sends it: the billing header as the first system block."""
+    return chat(
+        system=[
+            {"type": "text", "text": header},
+            {"type": "text", "text": CLAUDE_CODE_SYSTEM, "cache_control": {"type": "ephemeral"}},
+        ],
+        **extra,
+    )
+
+
+class UpstreamBodies(LLMSurface):
+    """Records each request body the stub receives: what really reached the upstream."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.bodies: list[dict[str, Any]] = []
+        render = self.stub.render_POST
+
+        def recording(request: Any) -> Any:
+            body = request.content.read()
+            request.content.seek(0)
+            if request.path.endswith(b"/chat/completions"):
+                self.bodies.append(json.loads(body))
+            return render(request)
+
+        self.stub.render_POST = recording  # type: ignore[method-assign]
+
+
+class BillingHeaderAndCache(UpstreamBodies):
+    stub_settings = {"prompt_tokens_details": True}
+
+    @async_test
+    async def test_the_header_never_reaches_the_upstream_so_its_prefix_cache_hits(self) -> None:
+        first = await self.post(
+            claude_code_chat("x-anthropic-billing-header: cc_version=2.1.328.ce7; cch=0a1b2;")
+        )
+        second = await self.post(  # the next turn: a new user message after the same system
+            claude_code_chat(
+                "x-anthropic-billing-header: cc_version=2.1.328.27f; cch=9f8e7;", content="next"
+            )
+        )
+        for body in self.bodies:
+            self.assertEqual(body["messages"][0], {"role": "system", "content": CLAUDE_CODE_SYSTEM})
+        frames = [d for _, d in second.frames()]
+        self.assertEqual(check_stream(frames, allow_queue=False), "complete")
+        start, delta = frames[0]["message"]["usage"], frames[-2]["usage"]
+        prompt = 200 + 4 + 1 + 4  # the system prompt's words and the user's, 4 per message
+        self.assertEqual(start["cache_read_input_tokens"], 192)  # whole 16-token blocks
+        self.assertEqual(start["input_tokens"], prompt - 192)  # the system prompt was cached
+        self.assertEqual(start["cache_creation_input_tokens"], 0)
+        self.assertEqual(
+            {k: delta[k] for k in start if k != "output_tokens"},
+            {k: start[k] for k in start if k != "output_tokens"},
+        )
+        first_usage = next(d for _, d in first.frames())["message"]["usage"]
+        self.assertEqual(first_usage["cache_read_input_tokens"], 0)
+        self.assertEqual(first_usage["input_tokens"], prompt)
+
+    @async_test
+    async def test_non_streaming_usage_carries_the_cache_fields(self) -> None:
+        await self.post(claude_code_chat("x-anthropic-billing-header: cc_version=2.1.328.ce7;"))
+        response = await self.post(
+            claude_code_chat("x-anthropic-billing-header: cc_version=2.1.77.a1b;", stream=False)
+        )
+        usage = json.loads(response.body_text())["usage"]  # the same prompt: all but its last token
+        self.assertEqual(usage["cache_read_input_tokens"], 208)
+        self.assertEqual(usage["input_tokens"], 1)
+        self.assertEqual(usage["cache_creation_input_tokens"], 0)
+
+
+class BillingHeaderKept(UpstreamBodies):
+    stub_settings = {"prompt_tokens_details": True}
+    gateway_overrides = {"model": {"strip_billing_header": False}}
+
+    @async_test
+    async def test_the_option_off_sends_it_and_the_cache_misses(self) -> None:
+        header = "x-anthropic-billing-header: cc_version=2.1.328.ce7; cch=0a1b2;"
+        await self.post(claude_code_chat(header))
+        response = await self.post(claude_code_chat(header.replace("0a1b2", "ffff0")))
+        self.assertTrue(self.bodies[0]["messages"][0]["content"].startswith(header))
+        usage = next(d for _, d in response.frames())["message"]["usage"]
+        self.assertEqual(usage["cache_read_input_tokens"], 0)  # the header is the 2nd token
+
+
+class Overflow(LLMSurface):
+    """The stub refuses as vLLM 0.32 does past a 64-token window: "at least N" tokens."""
+
+    stub_settings = {"max_model_len": 64, "models": ("reasoning",)}
+
+    @async_test
+    async def test_a_prompt_over_the_window_is_anthropics_prompt_is_too_long(self) -> None:
+        words = " ".join(["word"] * 100)  # 104 tokens, vLLM says "at least 57"
+        for stream in (True, False):
+            message = await self.error(
+                chat(content=words, max_tokens=8, stream=stream), 400, "invalid_request_error"
+            )
+            self.assertEqual(message, "prompt is too long: 104 tokens > 64 maximum")
+        await self.settled()
+
+    @async_test
+    async def test_a_prompt_that_fits_without_its_max_tokens_gets_the_max_tokens_wording(
+        self,
+    ) -> None:
+        message = await self.error(
+            chat(content="a b c d e f g h i j", max_tokens=60), 400, "invalid_request_error"
+        )
+        self.assertEqual(
+            message,
+            "input length and `max_tokens` exceed context limit: 14 + 60 > 64, "
+            "decrease input length or `max_tokens` and try again",
+        )
+
+    @async_test
+    async def test_the_models_list_says_the_window_vllm_reports(self) -> None:
+        readiness = self.servers.gateway.readiness
+        readiness.start()
+        await wait_for(lambda: readiness.probes["vllm"].ok, 5.0, "the first /models probe")
+        response = raw_request(self.port, "GET", "/llm/v1/models/reasoning")
+        await response.closed
+        entry = json.loads(response.body_text())
+        self.assertEqual((entry["max_input_tokens"], entry["max_tokens"]), (64, 64))
+        self.assertEqual(
+            (entry["type"], entry["display_name"], entry["created_at"]),
+            ("model", "reasoning", "2025-01-01T00:00:00Z"),
+        )
+
+
+class OllamaOverflow(LLMSurface):
+    """Ollama's refusal has no number and there is no /tokenize: the config's window stands in."""
+
+    gateway_overrides = {"model": {"context_window": 4096}}
+
+    def setUp(self) -> None:
+        super().setUp()
+        render = self.stub.render_POST
+
+        def as_ollama(request: Any) -> Any:
+            if request.path.endswith(b"/tokenize"):
+                request.setResponseCode(404)
+                return b"404 page not found"
+            if request.path.endswith(b"/chat/completions"):
+                request.setResponseCode(400)
+                error = {
+                    "message": "the input length exceeds the context length",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+                return json.dumps({"error": error}).encode()
+            return render(request)
+
+        self.stub.render_POST = as_ollama  # type: ignore[method-assign]
+
+    @async_test
+    async def test_the_configured_window_fills_the_missing_numbers(self) -> None:
+        message = await self.error(chat(), 400, "invalid_request_error")
+        self.assertEqual(message, "prompt is too long: 4097 tokens > 4096 maximum")
+
+
+class StructuredOutputAndReasoning(UpstreamBodies):
+    gateway_overrides = {"model": {"show_reasoning": "when_requested"}}
+
+    @async_test
+    async def test_output_config_format_reaches_the_upstream_as_response_format(self) -> None:
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+        response = await self.post(
+            chat(output_config={"format": {"type": "json_schema", "schema": schema}})
+        )
+        self.assertEqual(response.status, 200)
+        self.assertEqual(
+            self.bodies[0]["response_format"],
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema, "strict": True},
+            },
+        )
+        message = await self.error(
+            chat(output_format={"type": "json_object"}), 400, "invalid_request_error"
+        )
+        self.assertTrue(message.startswith("output_format.type:"))
+        self.assertEqual(len(self.bodies), 1)
+
+    @async_test
+    async def test_reasoning_shows_only_when_the_request_enables_thinking(self) -> None:
+        plain = [d for _, d in (await self.post(chat())).frames()]
+        self.assertEqual(check_stream(plain, allow_queue=False), "complete")
+        self.assertEqual(
+            [d["content_block"]["type"] for d in plain if d["type"] == "content_block_start"],
+            ["text"],
+        )
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        asked = [d for _, d in (await self.post(chat(thinking=thinking))).frames()]
+        self.assertEqual(check_stream(asked, allow_queue=False), "complete")
+        self.assertEqual(
+            [d["content_block"]["type"] for d in asked if d["type"] == "content_block_start"],
+            ["thinking", "text"],
+        )
+
+
+class NamePatterns(LLMSurface):
+    def setUp(self) -> None:
+        self.servers = Servers(self)
+        self.stub_url, self.stub, self.log = self.servers.stub()
+        document = gateway_document(self.stub_url)
+        document["models"].update(
+            {
+                "claude-*": {"upstream": "vllm", "upstream_model": "big"},
+                "claude-*haiku*": {"upstream": "vllm", "upstream_model": "small"},
+                "claude-opus-4-1": {"upstream": "vllm", "upstream_model": "exact"},
+            }
+        )
+        self.servers.start_gateway(document)
+        self.port = self.servers.gateway_port
+
+    @async_test
+    async def test_claude_codes_names_reach_the_models_their_patterns_name(self) -> None:
+        for name, upstream_model in (
+            ("claude-haiku-4-5-20251001", "small"),
+            ("claude-sonnet-4-5-20250929", "big"),
+            ("claude-opus-4-1", "exact"),
+            ("reasoning", "reasoning"),
+        ):
+            response = await self.post(chat(model=name, stream=False))
+            self.assertEqual(response.status, 200, response.body_text())
+            self.assertEqual(json.loads(response.body_text())["model"], name)
+            self.assertEqual(self.stub.stats.models.get(upstream_model), 1, name)
+        self.assertIn("'gpt-4'", await self.error(chat(model="gpt-4"), 404, "not_found_error"))
+        # metrics are labelled by the configured entry, never by the client's string
+        response = raw_request(self.port, "GET", "/metrics")
+        await response.closed
+        labels = set(re.findall(r'model="([^"]*)"', response.body_text()))
+        self.assertTrue({"claude-*haiku*", "claude-*", "claude-opus-4-1"} <= labels, labels)
+        self.assertFalse({"claude-haiku-4-5-20251001", "claude-sonnet-4-5-20250929"} & labels)
+
+    @async_test
+    async def test_the_catalogue_lists_names_and_answers_for_a_patterns_name(self) -> None:
+        response = raw_request(self.port, "GET", "/llm/v1/models")
+        await response.closed
+        ids = [m["id"] for m in json.loads(response.body_text())["data"]]
+        self.assertEqual(ids, ["reasoning", "claude-opus-4-1"])
+        response = raw_request(self.port, "GET", "/llm/v1/models/claude-haiku-4-5")
+        await response.closed
+        self.assertEqual(json.loads(response.body_text())["id"], "claude-haiku-4-5")

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from homelab_gateway.config import ModelConfig
-from homelab_gateway.mapping import InvalidRequest, map_request
+from homelab_gateway.config import ConfigError, ModelConfig, parse_config
+from homelab_gateway.mapping import InvalidRequest, find_model, map_request
 
 MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/QwQ-32B")
 
@@ -427,3 +429,217 @@ def test_a_recorded_claude_code_request_maps() -> None:
     assert len(out.body["tools"]) == len(body["tools"]) == 24
     assert out.body["chat_template_kwargs"] == {"enable_thinking": True}
     assert out.body["reasoning_effort"] == "high"
+
+
+# Claude Code's attribution line, as its versions send it: a per-prompt suffix, and a `cch=`
+# value that changes on every request in others.
+BILLING_HEADERS = [
+    "x-anthropic-billing-header: cc_version=2.1.328.ce7; cc_entrypoint=sdk-cli;",
+    "x-anthropic-billing-header: cc_version=2.1.328.27f; cc_entrypoint=cli;",
+    "x-anthropic-billing-header: cc_version=2.1.77.a1b; cc_entrypoint=cli; cch=4f9e2;",
+]
+CLAUDE_CODE_SYSTEM = "You are Claude Code, Anthropic's official CLI for Claude."
+
+
+@pytest.mark.parametrize("header", BILLING_HEADERS)
+def test_the_billing_header_block_is_dropped_and_nothing_else(header: str) -> None:
+    blocks = [
+        {"type": "text", "text": header},
+        {"type": "text", "text": CLAUDE_CODE_SYSTEM, "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Mentions x-anthropic-billing-header: mid-text, kept."},
+    ]
+    system = mapped(system=blocks)["messages"][0]
+    assert system == {
+        "role": "system",
+        "content": CLAUDE_CODE_SYSTEM + "\n\nMentions x-anthropic-billing-header: mid-text, kept.",
+    }
+
+
+@pytest.mark.parametrize("header", BILLING_HEADERS)
+def test_the_billing_header_line_leaves_the_rest_of_its_block_as_vllm_does(header: str) -> None:
+    assert mapped(system=header + "\nline two")["messages"][0]["content"] == "line two"
+    only = mapped(system=[{"type": "text", "text": header}])["messages"]
+    assert only == [{"role": "user", "content": "hi"}]  # no empty system message
+    inside = [{"role": "system", "content": header}, {"role": "user", "content": "hi"}]
+    assert mapped(messages=inside)["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_the_billing_header_is_kept_when_the_model_says_so() -> None:
+    model = ModelConfig(name="m", upstream="u", upstream_model="m", strip_billing_header=False)
+    blocks = [{"type": "text", "text": BILLING_HEADERS[0]}, {"type": "text", "text": "rest"}]
+    assert mapped(model, system=blocks)["messages"][0]["content"] == BILLING_HEADERS[0] + "\n\nrest"
+
+
+def test_an_empty_messages_array_is_named_as_empty() -> None:
+    assert rejected(messages=[]) == "messages: must be a non-empty array, got an empty array"
+    assert rejected(messages="x") == "messages: must be a non-empty array, got 'x'"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_maps_to_a_json_schema_response_format() -> None:
+    expected = {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": SCHEMA, "strict": True},
+    }
+    output_format = {"type": "json_schema", "schema": SCHEMA}
+    assert mapped(output_config={"format": output_format})["response_format"] == expected
+    assert mapped(output_format=output_format)["response_format"] == expected
+    both = mapped(output_config={"format": output_format}, output_format=output_format)
+    assert both["response_format"] == expected
+    assert "response_format" not in mapped(output_config={"effort": "low"})
+
+
+def test_structured_output_that_cannot_be_carried_is_a_400_naming_the_field() -> None:
+    assert rejected(output_config={"format": {"type": "text"}}) == (
+        "output_config.format.type: only 'json_schema' can be carried upstream, got 'text'"
+    )
+    assert rejected(output_format={"type": "json_schema"}) == (
+        "output_format.schema: must be a non-empty object, got nothing"
+    )
+    assert rejected(output_config={"format": "json"}) == (
+        "output_config.format: must be an object, got 'json'"
+    )
+    assert (
+        rejected(
+            output_config={"format": {"type": "json_schema", "schema": SCHEMA, "strict": False}}
+        )
+        == "output_config.format.strict: cannot be carried to the upstream"
+    )
+    assert (
+        rejected(
+            output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+            output_format={"type": "json_schema", "schema": {"type": "object"}},
+        )
+        == "output_format: differs from output_config.format; send one of them"
+    )
+
+
+def test_show_reasoning_follows_the_model_option_and_the_request() -> None:
+    strict = ModelConfig(
+        name="m", upstream="u", upstream_model="m", show_reasoning="when_requested"
+    )
+
+    def shows(model: ModelConfig, **body: Any) -> bool:
+        request = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}
+        return map_request({**request, **body}, model).show_reasoning
+
+    assert shows(MODEL) and shows(MODEL, thinking={"type": "disabled"})
+    assert not shows(strict) and not shows(strict, thinking={"type": "disabled"})
+    assert shows(strict, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert shows(strict, thinking={"type": "adaptive"})
+
+
+def models(**tables: dict[str, Any]) -> dict[str, ModelConfig]:
+    document = {"upstreams": {"u": {"url": "http://x/v1", "slots": 1}}, "models": tables}
+    return dict(parse_config(document, environ={}).models)
+
+
+def test_the_claude_code_model_keys_and_their_defaults() -> None:
+    plain = models(m={"upstream": "u"})["m"]
+    assert (plain.strip_billing_header, plain.show_reasoning, plain.context_window) == (
+        True,
+        "always",
+        None,
+    )
+    set_ = models(
+        m={
+            "upstream": "u",
+            "strip_billing_header": False,
+            "show_reasoning": "when_requested",
+            "context_window": 32768,
+        }
+    )["m"]
+    assert (set_.strip_billing_header, set_.show_reasoning, set_.context_window) == (
+        False,
+        "when_requested",
+        32768,
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ({"show_reasoning": "never"}, "models.m.show_reasoning: must be 'always' or"),
+        ({"strip_billing_header": "yes"}, "models.m.strip_billing_header: must be true or false"),
+        ({"context_window": 0}, "models.m.context_window: must be an integer >= 1"),
+    ],
+)
+def test_mistakes_in_the_claude_code_model_keys_name_the_key(
+    table: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        models(m={"upstream": "u", **table})
+    assert expected in str(info.value)
+
+
+def test_a_name_pattern_must_say_its_upstream_model() -> None:
+    with pytest.raises(ConfigError) as info:
+        models(**{"claude-*": {"upstream": "u"}})
+    assert 'models."claude-*".upstream_model: is required for a name pattern' in str(info.value)
+
+
+def test_exact_names_win_then_the_most_specific_pattern_then_file_order() -> None:
+    configured = models(
+        **{
+            "claude-*": {"upstream": "u", "upstream_model": "big"},
+            "claude-*haiku*": {"upstream": "u", "upstream_model": "small"},
+            "claude-opus-4-1": {"upstream": "u", "upstream_model": "exact"},
+            "*-4-1": {"upstream": "u", "upstream_model": "late"},
+            "c?aude-x*": {"upstream": "u", "upstream_model": "first"},
+            "claude-x*": {"upstream": "u", "upstream_model": "second"},
+        }
+    )
+
+    def upstream_model(name: str) -> str | None:
+        found = find_model(configured, name)
+        return found.upstream_model if found is not None else None
+
+    assert upstream_model("claude-haiku-4-5-20251001") == "small"
+    assert upstream_model("claude-3-5-haiku-latest") == "small"
+    assert upstream_model("claude-sonnet-4-5-20250929") == "big"
+    assert upstream_model("claude-opus-4-1") == "exact"  # exact beats every pattern
+    assert upstream_model("claude-opus-4-5") == "big"
+    assert upstream_model("claude-x1") == "second"  # 8 literal characters beat 7
+    assert upstream_model("Claude-sonnet") is None  # case-sensitive, like model names
+    assert upstream_model("gpt-4") is None
+    assert upstream_model("claude-*") == "big"  # the pattern's own text is only a name it matches
+
+
+system_texts = st.lists(
+    st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(BILLING_HEADERS),
+        st.builds(lambda h, rest: h + "\n" + rest, st.sampled_from(BILLING_HEADERS), st.text()),
+    ),
+    max_size=5,
+)
+
+
+@given(system_texts)
+def test_stripping_changes_nothing_but_the_header_lines(texts: list[str]) -> None:
+    kept = ModelConfig(name="m", upstream="u", upstream_model="m", strip_billing_header=False)
+    blocks = [{"type": "text", "text": text} for text in texts]
+    stripped = mapped(system=blocks)["messages"]
+    as_sent = mapped(kept, system=blocks)["messages"]
+    expected = [
+        text.partition("\n")[2] if text.startswith("x-anthropic-billing-header") else text
+        for text in texts
+    ]
+    left = [
+        text
+        for text, original in zip(expected, texts, strict=True)
+        if text or not original.startswith("x-anthropic-billing-header")
+    ]
+    if left or not texts:
+        assert stripped[0] == {"role": "system", "content": "\n\n".join(left)}
+    else:
+        assert stripped[0]["role"] == "user"  # nothing but headers: no system message at all
+    assert as_sent[0] == {"role": "system", "content": "\n\n".join(texts)}
+    assert stripped[-1] == as_sent[-1]

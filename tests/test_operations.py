@@ -98,7 +98,8 @@ class Metrics(LLMSurface):
         await self.settled()
         text = await self.scrape()
         self.assertEqual(
-            metric(text, "homelab_gateway_requests_total", outcome="bad_request", model="ghost"), 1
+            metric(text, "homelab_gateway_requests_total", outcome="bad_request", model="unknown"),
+            1,
         )
         self.assertEqual(
             metric(text, "homelab_gateway_requests_total", outcome="client_disconnected"), 1
@@ -335,9 +336,12 @@ class WireLimits(LLMSurface):
 
     @async_test
     async def test_oversized_headers_are_refused(self) -> None:
-        response = raw_request(self.port, "GET", "/healthz", headers={"X-Big": "y" * 3000})
+        headers = {f"X-Big-{i}": "y" * 500 for i in range(6)}
+        response = raw_request(self.port, "GET", "/healthz", headers=headers)
         await response.closed
-        self.assertEqual(response.status, 400)
+        self.assertEqual(response.status, 431)
+        self.assertEqual(json.loads(response.body_text())["error"]["code"], 431)
+        self.assertTrue(response.header("request-id").startswith("req_"))
 
 
 class WriteStall(LLMSurface):

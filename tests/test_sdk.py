@@ -26,6 +26,10 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[anthropic.Anthr
     slow, slow_url = start_stub(
         cwd, "--hold", "3", "--reasoning-tokens", "2", "--content-tokens", "3"
     )
+    # vLLM with a 64-token window and --enable-prompt-tokens-details
+    tight, tight_url = start_stub(
+        cwd, "--max-model-len", "64", "--enable-prompt-tokens-details", "--model", "tight"
+    )
     config = f"""
 [upstreams.fast]
 url = "{fast_url}"
@@ -41,10 +45,18 @@ upstream_model = "Qwen/QwQ-32B"
 
 [models.slow]
 upstream = "slow"
+
+[upstreams.tight]
+url = "{tight_url}"
+slots = 1
+
+[models."claude-*"]
+upstream = "tight"
+upstream_model = "tight"
 """
     gateway, url = start_gateway(cwd, config)
     yield anthropic.Anthropic(base_url=url + "/llm", api_key="unused", max_retries=0, timeout=30)
-    for process in (gateway, fast, slow):
+    for process in (gateway, fast, slow, tight):
         process.stop()
 
 
@@ -171,7 +183,80 @@ def test_a_queued_stream_gives_the_correct_final_message(client: anthropic.Anthr
 
 def test_models_and_count_tokens(client: anthropic.Anthropic) -> None:
     assert sorted(model.id for model in client.models.list()) == ["reasoning", "slow"]
+    # a pattern's name, with the window vLLM reports (once the first /models probe is in)
+    wait_until(lambda: client.models.retrieve("claude-haiku-4-5").max_input_tokens == 64)
+    model = client.models.retrieve("claude-haiku-4-5")
+    assert (model.id, model.type, model.display_name) == ("claude-haiku-4-5", "model", model.id)
     count = client.messages.count_tokens(
         model="reasoning", messages=[{"role": "user", "content": "a b c"}]
     )
     assert count.input_tokens == 3 + 4
+
+
+def test_context_overflow_is_anthropics_wording_with_the_numbers(
+    client: anthropic.Anthropic,
+) -> None:
+    words = " ".join(["word"] * 100)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            model="claude-local-sonnet", max_tokens=8, messages=[{"role": "user", "content": words}]
+        )
+    assert info.value.body["error"] == {  # type: ignore[index]
+        "type": "invalid_request_error",
+        "message": "prompt is too long: 104 tokens > 64 maximum",
+    }
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            model="claude-local-sonnet",
+            max_tokens=60,
+            messages=[{"role": "user", "content": "a b"}],
+        )
+    assert "input length and `max_tokens` exceed context limit: 6 + 60 > 64" in str(info.value)
+
+
+def test_signature_and_cache_usage_as_the_sdk_types_have_them(client: anthropic.Anthropic) -> None:
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328.ce7; cch=1;"},
+        {"type": "text", "text": " ".join(["rule"] * 28)},
+    ]
+    for turn in ("one", "two"):
+        with client.messages.stream(
+            model="claude-haiku-4-5",
+            max_tokens=16,
+            system=system,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": turn}],
+        ) as stream:
+            kinds = [
+                (event.type, getattr(getattr(event, "delta", None), "type", None))
+                for event in stream
+            ]
+            message = stream.get_final_message()
+        system[0]["text"] = system[0]["text"].replace("cch=1", "cch=2")
+    assert ("content_block_delta", "signature_delta") in kinds
+    assert message.content[0].type == "thinking" and message.content[0].signature == ""
+    # the system prompt (1 + 28 + 3 tokens) is whole 16-token blocks of the prefix cache
+    usage = message.usage
+    assert (usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (32, 0)
+    assert usage.input_tokens == 37 - 32  # the user turn: a word and 4
+    assert message.model == "claude-haiku-4-5"
+
+
+def test_structured_output_reaches_the_upstream_or_is_refused_by_name(
+    client: anthropic.Anthropic,
+) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    message = client.messages.create(
+        model="reasoning",
+        max_tokens=16,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )
+    assert message.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            model="reasoning",
+            max_tokens=16,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"output_format": {"type": "json_schema", "schema": "not a schema"}},
+        )
+    assert "output_format.schema" in str(info.value)

@@ -61,7 +61,10 @@ def run(
     chunks: list[Any], *, done: bool = True, stop: tuple[str, ...] = (), **kw: Any
 ) -> list[dict[str, Any]]:
     t = StreamTranslator(
-        model="reasoning", input_tokens=kw.pop("input_tokens", 7), stop_sequences=stop
+        model="reasoning",
+        input_tokens=kw.pop("input_tokens", 7),
+        stop_sequences=stop,
+        show_reasoning=kw.pop("show_reasoning", True),
     )
     events: list[dict[str, Any]] = []
     for c in chunks:
@@ -69,6 +72,15 @@ def run(
     if done:
         events += t.end()
     return events
+
+
+def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, int]:
+    return {
+        "input_tokens": input_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output_tokens,
+    }
 
 
 def kinds(events: list[dict[str, Any]]) -> list[str]:
@@ -111,6 +123,7 @@ def test_full_sequence_with_thinking_then_text() -> None:
         "content_block_start",
         "content_block_delta",
         "content_block_delta",
+        "content_block_delta",
         "content_block_stop",
         "content_block_start",
         "content_block_delta",
@@ -119,11 +132,16 @@ def test_full_sequence_with_thinking_then_text() -> None:
         "message_delta",
         "message_stop",
     ]
+    assert events[4] == {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "signature_delta", "signature": ""},
+    }
     assert blocks(events) == [(0, "thinking"), (1, "text")]
     assert events[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
     assert text_of(events, 0) == "The user wants" and text_of(events, 1) == "Hello there"
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert events[-2]["usage"] == {"input_tokens": 52, "output_tokens": 39}
+    assert events[-2]["usage"] == usage(52, 39)
 
 
 def test_message_start_envelope_echoes_the_client_model() -> None:
@@ -132,7 +150,7 @@ def test_message_start_envelope_echoes_the_client_model() -> None:
     assert (
         start["content"] == [] and start["stop_reason"] is None and start["stop_sequence"] is None
     )
-    assert start["usage"] == {"input_tokens": 7, "output_tokens": 0}
+    assert start["usage"] == usage(7, 0)
 
 
 def test_continuous_usage_makes_message_start_input_tokens_exact() -> None:
@@ -439,10 +457,7 @@ def test_message_builder_folds_events_into_the_non_streaming_message() -> None:
     assert message["content"][0] == {"type": "thinking", "thinking": "hm", "signature": ""}
     assert message["content"][1] == {"type": "text", "text": "Hi"}
     assert message["content"][2]["input"] == {"a": [1]} and message["content"][2]["name"] == "f"
-    assert message["stop_reason"] == "tool_use" and message["usage"] == {
-        "input_tokens": 52,
-        "output_tokens": 39,
-    }
+    assert message["stop_reason"] == "tool_use" and message["usage"] == usage(52, 39)
 
 
 def test_message_builder_refuses_a_failed_or_unfinished_stream() -> None:
@@ -554,3 +569,68 @@ def test_the_decoder_stops_at_done_and_ignores_what_follows() -> None:
     body = b"".join(frame(c) for c in THINK_THEN_TEXT) + b'data: [DONE]\n\ndata: {"late": 1}\n\n'
     events = decoder.feed(body) + decoder.eof("stub")
     assert check_stream(events) == "complete"
+
+
+# vLLM's usage with --enable-prompt-tokens-details (UsageInfo.prompt_tokens_details is a
+# PromptTokenUsageInfo, `cached_tokens` in it) and llama.cpp's server's usage_json_oaicompat.
+VLLM_CACHED_USAGE = {
+    "prompt_tokens": 2100,
+    "total_tokens": 2139,
+    "completion_tokens": 39,
+    "prompt_tokens_details": {"cached_tokens": 2048},
+}
+
+
+def test_cache_reads_are_split_out_of_input_tokens_everywhere() -> None:
+    first = chunk({"role": "assistant", "content": ""}, usage=VLLM_CACHED_USAGE)
+    events = run([first, chunk({"content": "Hi"}, "stop", usage=VLLM_CACHED_USAGE)])
+    assert check_stream(events) == "complete"
+    assert events[0]["message"]["usage"] == usage(52, 39, cached=2048)
+    assert events[-2]["usage"] == usage(52, 39, cached=2048)
+    builder = MessageBuilder()
+    builder.add(events)
+    assert builder.message()["usage"] == usage(52, 39, cached=2048)
+
+
+def test_cache_reads_on_the_last_usage_chunk_only() -> None:
+    last = {"id": "chatcmpl-1", "choices": [], "usage": VLLM_CACHED_USAGE}
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), last])
+    assert events[0]["message"]["usage"] == usage(7, 0)
+    assert events[-2]["usage"] == usage(52, 39, cached=2048)
+
+
+def test_no_cache_details_means_zero_cache_reads() -> None:
+    null_details = {**USAGE["usage"], "prompt_tokens_details": None}  # vLLM without the flag
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), {"choices": [], "usage": null_details}])
+    assert events[-2]["usage"] == usage(52, 39)
+
+
+def test_older_llama_cpp_timings_cache_n_counts_as_cache_reads() -> None:
+    final = {
+        "choices": [],
+        "usage": {"prompt_tokens": 52, "completion_tokens": 39, "total_tokens": 91},
+        "timings": {"cache_n": 40, "prompt_n": 12},
+    }
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), final])
+    assert events[-2]["usage"] == usage(12, 39, cached=40)
+
+
+def test_reasoning_is_dropped_when_the_model_shows_it_only_on_request() -> None:
+    events = run(THINK_THEN_TEXT, show_reasoning=False)
+    assert check_stream(events) == "complete"
+    assert blocks(events) == [(0, "text")] and text_of(events, 0) == "Hello there"
+    assert blocks(run(THINK_THEN_TEXT)) == [(0, "thinking"), (1, "text")]
+
+
+def test_a_thinking_block_ends_with_an_empty_signature_delta_then_its_stop() -> None:
+    events = run([ROLE, chunk({"reasoning": "hm"}), chunk({}, "length")])
+    assert check_stream(events) == "complete"
+    assert kinds(events)[2:5] == [
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+    ]
+    assert events[3]["delta"] == {"type": "signature_delta", "signature": ""}
+    builder = MessageBuilder()
+    builder.add(events)
+    assert builder.message()["content"] == [{"type": "thinking", "thinking": "hm", "signature": ""}]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,7 +251,7 @@ def test_sigterm_drains_in_flight_and_fails_the_queued(tmp_path: Path) -> None:
         queued = threading.Thread(target=stream, args=("queued",))
         queued.start()
         wait_until(lambda: status(url)["waiting"] == 1)
-        gateway.popen.send_signal(signal.SIGTERM)
+        gateway.signal(signal.SIGTERM)
         running.join(30)
         queued.join(30)
         assert gateway.stopped_cleanly(), "".join(gateway.output)
@@ -304,3 +305,140 @@ def drain_lines(process: Process) -> list[str]:
         if line is None:
             return process.output
         process.output.append(line)
+
+
+def whole(url: str, results: dict[str, Any], name: str, model: str = "reasoning") -> None:
+    """One non-streaming request; its (status, body) or the exception lands in `results`."""
+    request = urllib.request.Request(
+        url + "/llm/v1/messages",
+        data=json.dumps(
+            {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        ).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            results[name] = (response.status, json.loads(response.read()))
+    except urllib.error.HTTPError as e:
+        results[name] = (e.code, json.loads(e.read()))
+    except Exception as e:  # the test reports what the client saw
+        results[name] = e
+
+
+def test_sigterm_delivers_every_whole_answer_finished_in_the_grace(tmp_path: Path) -> None:
+    """Two non-streaming answers in flight at SIGTERM, the second finishing last: both reach
+    their clients before the process exits, and it exits 0."""
+    stub, stub_url = start_stub(tmp_path, "--hold", "1.5")
+    try:
+        gateway, url = start_gateway(
+            tmp_path, one_upstream_config(stub_url, slots=2, server="shutdown_grace = 20")
+        )
+        results: dict[str, Any] = {}
+        threads = []
+        for n, name in enumerate(("first", "last"), start=1):
+            threads.append(threading.Thread(target=whole, args=(url, results, name)))
+            threads[-1].start()
+            wait_until(lambda n=n: status(url)["in_use"] == n)
+        gateway.signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+        for name in ("first", "last"):
+            assert isinstance(results[name], tuple), results[name]
+            code, document = results[name]
+            assert code == 200 and document["type"] == "message", results[name]
+        assert gateway.stopped_cleanly(), "".join(gateway.output)
+    finally:
+        stub.stop()
+
+
+def test_a_second_sigterm_ends_the_grace_with_a_503_and_no_traceback(tmp_path: Path) -> None:
+    stub, stub_url = start_stub(tmp_path, "--hold", "60")
+    try:
+        gateway, url = start_gateway(
+            tmp_path, one_upstream_config(stub_url, server="shutdown_grace = 30")
+        )
+        results: dict[str, Any] = {}
+        client = threading.Thread(target=whole, args=(url, results, "cut"))
+        client.start()
+        wait_until(lambda: stub_status(stub_url)["in_flight"] == 1)
+        gateway.signal(signal.SIGTERM)
+        gateway.wait_for_line(r"draining: 1 requests in flight")
+        gateway.signal(signal.SIGTERM)
+        gateway.wait_for_line(r"again: ending the grace period now")
+        client.join(30)
+        assert gateway.stopped_cleanly(), "".join(gateway.output)
+    finally:
+        stub.stop()
+    code, document = results["cut"]
+    assert code == 503 and document["error"]["type"] == "overloaded_error", results["cut"]
+
+
+def stub_status(stub_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(stub_url.removesuffix("/v1") + "/stub/status", timeout=5) as r:
+        return json.load(r)
+
+
+def test_sighup_reloads_under_load_and_keeps_running_on_an_invalid_file(tmp_path: Path) -> None:
+    """A real twistd under load: a valid file adds a slot (the queued request gets it) and a
+    model; an invalid one is one logged line and changes nothing; nothing in flight is lost."""
+    stub, stub_url = start_stub(tmp_path, "--hold", "1", "--delay", "0.05", "--content-tokens", "6")
+    try:
+        gateway, url = start_gateway(tmp_path, one_upstream_config(stub_url))
+        results: dict[str, list[str]] = {}
+
+        def stream(name: str) -> None:
+            request = urllib.request.Request(
+                url + "/llm/v1/messages",
+                data=json.dumps(
+                    {
+                        "model": "reasoning",
+                        "max_tokens": 16,
+                        "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    }
+                ).encode(),
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as response:
+                results[name] = read_sse_events(response)
+
+        threads = [threading.Thread(target=stream, args=(name,)) for name in ("held", "queued")]
+        threads[0].start()
+        wait_until(lambda: status(url)["in_use"] == 1)
+        threads[1].start()
+        wait_until(lambda: status(url)["waiting"] == 1)
+
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            one_upstream_config(stub_url, slots=2)
+            + '\n[models.fast]\nupstream = "vllm"\nupstream_model = "reasoning"\n'
+        )
+        gateway.signal(signal.SIGHUP)
+        gateway.wait_for_line(r"config reloaded from .*gateway\.toml: 2 changes")
+        assert status(url) == {"slots": 2, "in_use": 2, "waiting": 0}
+        with urllib.request.urlopen(url + "/llm/v1/models", timeout=5) as response:
+            assert [m["id"] for m in json.load(response)["data"]] == ["reasoning", "fast"]
+
+        config.write_text("[upstreams.vllm]\nurl = 'http://x/v1'\nslots = 0\n")
+        gateway.signal(signal.SIGHUP)
+        failed = gateway.wait_for_line(r"reload failed, still running the previous config: (.*)")
+        assert "upstreams.vllm.slots: must be an integer >= 1" in failed.group(1)
+        assert status(url)["slots"] == 2
+        for thread in threads:
+            thread.join(30)
+        after: dict[str, Any] = {}
+        whole(url, after, "fast", model="fast")
+        assert after["fast"][0] == 200
+        assert gateway.stopped_cleanly(), "".join(gateway.output)
+    finally:
+        stub.stop()
+    for name in ("held", "queued"):
+        assert results[name][-1] == "event: message_stop", results
+
+
+def test_sighup_right_after_listening_reloads_rather_than_kills(tmp_path: Path) -> None:
+    """`systemctl reload` just after start: SIGHUP's default action would end the process."""
+    gateway, _ = start_gateway(tmp_path, "")
+    gateway.signal(signal.SIGHUP)
+    gateway.wait_for_line(r"config reloaded from .*gateway\.toml: 0 changes")
+    assert gateway.stopped_cleanly(), "".join(gateway.output)

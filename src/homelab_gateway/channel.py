@@ -3,7 +3,14 @@
 twisted.web reads a request's whole body before any resource runs, and its idle timeout is
 reset by every byte, so a client can make it spool a huge body or trickle one forever. This
 channel answers 413 from the Content-Length header (or as soon as a chunked body passes the
-limit) and gives each request one deadline, from its first byte to its last, to arrive.
+limit) and gives each request one deadline, from its first byte to its last, to arrive. A
+connection that says nothing is closed too: a new one after `request_timeout`, an idle
+keep-alive one after `keepalive_timeout` (Twisted's own idle timeout is a fixed 60 s, and each
+silent connection holds a descriptor).
+
+Whatever the channel refuses (malformed, oversized, too slow) gets an answer in the gateway's
+JSON error shape with a `request-id`, as every other answer does; twisted.web's own refusals
+are a bare status line or none at all.
 """
 
 from __future__ import annotations
@@ -11,13 +18,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall
-from twisted.web.http import HTTPChannel
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
 from homelab_gateway.errors import GatewayError
-from homelab_gateway.respond import new_request_id
+from homelab_gateway.respond import new_request_id, send_error
+
+# Reason phrases twisted.web lacks ("Unknown Status") or has from an older RFC. 529 is not
+# registered with IANA; "Site Overloaded" is the phrase it is known by.
+REASONS = {
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+    529: b"Site Overloaded",
+}
 
 
 @dataclass(frozen=True)
@@ -25,27 +43,80 @@ class WireLimits:
     max_body_bytes: int
     max_header_bytes: int
     request_timeout: float
+    # An idle keep-alive connection is closed after min(this, request_timeout): long enough
+    # for a client's next request (httpx and Node keep idle connections 5 s), short enough
+    # that thousands of idle clients do not pin descriptors for a minute.
+    keepalive_timeout: float = 15.0
 
 
 class GatewayChannel(HTTPChannel):
     limits: WireLimits
+    requests: list[GatewayRequest]
     _deadline: IDelayedCall | None = None
+    _silent = False  # the deadline running is for a first byte, not for a whole request
     _refused = False
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        self.site.connection_made(self)
         # SSE is many small writes: with Nagle, each could wait for the ACK of the one before
         # (up to 40 ms with delayed ACKs on a real network). Loopback benchmarks cannot show it.
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             set_no_delay(True)
+        self._await_first_byte(self.limits.request_timeout)
 
     def dataReceived(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._silent:
+            self._cancel_deadline()
         if self._deadline is None and not self._handlingRequest:
             self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
         super().dataReceived(data)
+
+    def requestDone(self, request: Any) -> None:
+        """Between requests the connection waits for the next one's first byte, or, if the
+        client already sent (part of) it, for the rest of it."""
+        if self.persistent and not self._refused:
+            if self._dataBuffer:
+                self._cancel_deadline()
+                self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
+            else:
+                self._await_first_byte(
+                    min(self.limits.request_timeout, self.limits.keepalive_timeout)
+                )
+        super().requestDone(request)
+
+    def _await_first_byte(self, timeout: float) -> None:
+        self._cancel_deadline()
+        self._silent = True
+        self._deadline = self.callLater(timeout, self._said_nothing)
+
+    def _said_nothing(self) -> None:
+        """Closed without an answer: nothing was asked, and an unsolicited 408 on a keep-alive
+        connection can be read by a client as the answer to the request it sends next."""
+        self._deadline = None
+        self._silent = False
+        self.loseConnection()
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """One line longer than all headers may be: LineReceiver would hang up without a word."""
+        limit = self.limits.max_header_bytes
+        if getattr(self, "_command", None) is None:
+            self._refuse(414, "invalid_request_error", f"request line exceeds {limit} bytes")
+        else:
+            self._refuse(431, "invalid_request_error", f"request headers exceed {limit} bytes")
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """twisted.web's one answer to a request it cannot parse is a bare `400` status line
+        (an internal hook, the only one there is); the gateway's has a body and a request-id,
+        and says 431 when the headers were merely too large."""
+        if self._receivedHeaderSize > self.totalHeadersSize:
+            limit = self.limits.max_header_bytes
+            self._refuse(431, "invalid_request_error", f"request headers exceed {limit} bytes")
+        else:
+            self._refuse(400, "invalid_request_error", "malformed HTTP request")
 
     def allHeadersReceived(self) -> None:
         if self.length is not None and self.length > self.limits.max_body_bytes:
@@ -64,6 +135,7 @@ class GatewayChannel(HTTPChannel):
     def connectionLost(self, reason: Any) -> None:
         self._cancel_deadline()
         super().connectionLost(reason)
+        self.site.connection_lost(self)
 
     def _too_slow(self) -> None:
         self._deadline = None
@@ -75,6 +147,7 @@ class GatewayChannel(HTTPChannel):
         if self._deadline is not None and self._deadline.active():
             self._deadline.cancel()
         self._deadline = None
+        self._silent = False
 
     def _refuse(self, status: int, error_type: str, message: str) -> None:
         """Answer and hang up at once, the way HTTPChannel answers a malformed request: the
@@ -87,21 +160,48 @@ class GatewayChannel(HTTPChannel):
         error = GatewayError(status, message, error_type=error_type)
         document = error.anthropic_body() if path.startswith(b"/llm/") else error.openai_body()
         body = json.dumps(document).encode()
-        reason = {408: b"Request Timeout", 413: b"Content Too Large"}[status]
+        reason = REASONS.get(status) or RESPONSES[status]
+        request_id = self.requests[-1].request_id if self.requests else new_request_id()
         head = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"request-id: %s\r\nconnection: close\r\n\r\n"
-        ) % (status, reason, len(body), new_request_id().encode())
+        ) % (status, reason, len(body), request_id.encode())
         self.transport.write(head + body)
         self.loseConnection()
 
 
 class GatewayRequest(Request):
     """Counts the body as it arrives: a chunked body has no Content-Length to refuse early,
-    and its decoder hands data to the request, not the channel."""
+    and its decoder hands data to the request, not the channel.
+
+    Every answer carries a `request-id`, set here once rather than by each route, so the
+    health checks, redirects and 404s have one too; a route that logs the request reads it.
+    """
 
     channel: GatewayChannel
     _body_bytes = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.request_id = new_request_id()
+        self.setHeader(b"request-id", self.request_id.encode())
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        super().setResponseCode(code, message or REASONS.get(code))
+
+    def process(self) -> None:
+        """The router decodes the path and Host as UTF-8, and when that fails answers HTML and
+        logs a traceback per request; refuse them here, in the gateway's shape."""
+        try:
+            unquote_to_bytes(self.path).decode("utf-8")
+            self.getRequestHostname().decode("utf-8")
+        except UnicodeDecodeError:
+            self.site = self.channel.site
+            error = GatewayError(400, "the request path or Host is not UTF-8 once percent-decoded")
+            self.write(send_error(self, error, anthropic=self.path.startswith(b"/llm/")))
+            self.finish()
+            return
+        super().process()
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.channel is None or self.channel._refused:
@@ -122,6 +222,28 @@ class GatewaySite(Site):
     def __init__(self, resource: Any, limits: WireLimits, **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)
         self.limits = limits
+        # Open connections, so shutdown can close them and wait until each has written out
+        # what it was given: the reactor drops whatever is still buffered when it stops.
+        self.connections: set[GatewayChannel] = set()
+        self._closed: list[Deferred[None]] = []
+
+    def connection_made(self, channel: GatewayChannel) -> None:
+        self.connections.add(channel)
+
+    def connection_lost(self, channel: GatewayChannel) -> None:
+        self.connections.discard(channel)
+        if not self.connections:
+            closed, self._closed = self._closed, []
+            for waiter in closed:
+                waiter.callback(None)
+
+    def all_closed(self) -> Deferred[None]:
+        """Fires once no connection is open (cancellable)."""
+        if not self.connections:
+            return succeed(None)
+        d: Deferred[None] = Deferred(self._closed.remove)
+        self._closed.append(d)
+        return d
 
     def log(self, request: Any) -> None:
         """No combined-format access line: each request gets one structured event instead
@@ -131,4 +253,7 @@ class GatewaySite(Site):
         channel = super().buildProtocol(addr)
         channel.limits = self.limits
         channel.totalHeadersSize = self.limits.max_header_bytes
+        # One line may be as long as all headers may be; LineReceiver's own 16 KiB would cut
+        # a configured larger limit short and hang up without an answer.
+        channel.MAX_LENGTH = self.limits.max_header_bytes
         return channel

@@ -37,6 +37,9 @@ class UpstreamConfig:
     continuous_usage_stats: bool = True
 
 
+SHOW_REASONING = ("always", "when_requested")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -46,6 +49,10 @@ class ModelConfig:
     max_tokens: int | None = None
     map_thinking: bool = False
     map_effort: bool = False
+    # Claude Code's per-request attribution line kills every upstream prefix cache: drop it.
+    strip_billing_header: bool = True
+    show_reasoning: str = "always"  # "always" | "when_requested" (only with `thinking` on)
+    context_window: int | None = None  # prompt + output tokens, where the upstream cannot say
 
 
 @dataclass(frozen=True)
@@ -278,9 +285,16 @@ def _parse_auth(section: _Section, environ: Mapping[str, str]) -> AuthConfig:
         # Keys were asked for but none were found: fail closed rather than run open.
         where = " or ".join(f for f in (env_name, file_name) if f)
         raise section.error("", f"no API keys found in {where}")
+    protect_metrics = section.boolean("protect_metrics", False)
+    if protect_metrics and not configured:
+        # The operator asked for protection that cannot exist without keys; running open (the
+        # old behaviour) would hide that /llm and every route are open too.
+        raise section.error(
+            "protect_metrics",
+            "needs API keys (api_keys_env or api_keys_file); without them everything is open",
+        )
     return AuthConfig(
-        api_keys=frozenset(keys) if configured else None,
-        protect_metrics=section.boolean("protect_metrics", False),
+        api_keys=frozenset(keys) if configured else None, protect_metrics=protect_metrics
     )
 
 
@@ -346,11 +360,31 @@ def _parse_model(
     name: str, section: _Section, upstreams: Mapping[str, UpstreamConfig]
 ) -> ModelConfig:
     section.reject_unknown(
-        {"upstream", "upstream_model", "params", "max_tokens", "map_thinking", "map_effort"}
+        {
+            "upstream",
+            "upstream_model",
+            "params",
+            "max_tokens",
+            "map_thinking",
+            "map_effort",
+            "strip_billing_header",
+            "show_reasoning",
+            "context_window",
+        }
     )
     params = section.table.get("params", {})
     if not isinstance(params, dict):
         raise section.error("params", f"must be a table, got {_describe(params)}")
+    show_reasoning = section.string("show_reasoning", "always")
+    if show_reasoning not in SHOW_REASONING:
+        raise section.error(
+            "show_reasoning",
+            f"must be 'always' or 'when_requested', got {show_reasoning!r}",
+        )
+    if "*" in name and "upstream_model" not in section.table:
+        raise section.error(
+            "upstream_model", "is required for a name pattern (the pattern is no model's name)"
+        )
     return ModelConfig(
         name=name,
         upstream=_known_upstream(section, upstreams),
@@ -359,6 +393,9 @@ def _parse_model(
         max_tokens=section.integer("max_tokens", None),
         map_thinking=section.boolean("map_thinking", False),
         map_effort=section.boolean("map_effort", False),
+        strip_billing_header=section.boolean("strip_billing_header", True),
+        show_reasoning=show_reasoning,
+        context_window=section.integer("context_window", None),
     )
 
 

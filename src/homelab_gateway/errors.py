@@ -8,6 +8,8 @@ byte is sent, an `event: error` frame after.
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from homelab_gateway.translator import error_event
@@ -98,3 +100,115 @@ def _seconds(value: str | None) -> int | None:
     except ValueError:
         return None
     return seconds if 0 < seconds <= 3600 else None
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """An upstream's "the request does not fit the model's window", with the numbers it gave.
+
+    `completion` is the output the request asked for, where the upstream counted it against the
+    window. `at_least` means `prompt_tokens` is a lower bound: vLLM stops tokenizing one token
+    past the room left, so it never says how long the prompt really is.
+    """
+
+    prompt_tokens: int | None
+    limit: int | None
+    completion: int | None = None
+    at_least: bool = False
+
+    def error(self) -> GatewayError:
+        """Anthropic's own wording, which Claude Code parses to size its recovery: the prompt
+        alone too long (it compacts), or prompt plus `max_tokens` (it asks for fewer tokens)."""
+        prompt, limit, completion = self.prompt_tokens, self.limit, self.completion
+        if prompt is None or not limit:
+            return GatewayError(400, "prompt is too long: the upstream did not say by how much")
+        if completion is not None and prompt <= limit:
+            return GatewayError(
+                400,
+                f"input length and `max_tokens` exceed context limit: {prompt} + {completion} "
+                f"> {limit}, decrease input length or `max_tokens` and try again",
+            )
+        # The upstream refused the prompt itself, so it is longer than the window (llama.cpp
+        # refuses one that exactly fills it: no room is left for a single token).
+        return GatewayError(
+            400, f"prompt is too long: {max(prompt, limit + 1)} tokens > {limit} maximum"
+        )
+
+
+_N = r"(\d+)"
+# vLLM's wordings, newest first. 0.2x-0.32 (renderer): both numbers, the prompt counted only up
+# to the room left ("at least"); early 2026: "You passed N input tokens and requested B output
+# tokens", the same cut-off count; 0.6-0.10: "your prompt contains at least N" / "your request
+# has N"; the max_tokens check; the oldest "you requested T tokens (A in the messages, ...)".
+_VLLM_TOTAL = re.compile(
+    rf"maximum context length is {_N} tokens\. However, you requested {_N} output tokens and "
+    rf"your prompt contains at least {_N} input tokens"
+)
+_VLLM_PASSED = re.compile(
+    rf"You passed {_N} input (tokens|characters)(?: and requested {_N} output tokens)?\. "
+    rf"However, the model's context length is only {_N} tokens"
+)
+_VLLM_PROMPT = re.compile(
+    rf"maximum context length is {_N} tokens\. However, your (?:prompt contains|request has) "
+    rf"(at least )?{_N} input tokens"
+)
+_VLLM_MAX_TOKENS = re.compile(
+    rf"'max_tokens' (?:or 'max_completion_tokens' )?is too large: {_N}\. This model's maximum "
+    rf"context length is {_N} tokens and your request has {_N} input tokens"
+)
+_VLLM_REQUESTED = re.compile(
+    rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens "
+    rf"\({_N} in the messages, {_N} in the completion\)"
+)
+_VLLM_REQUESTED_PROMPT = re.compile(
+    rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens in the messages"
+)
+# llama.cpp's server (type exceed_context_size_error, with n_prompt_tokens and n_ctx beside).
+_LLAMA_CPP = re.compile(
+    rf"request \({_N} tokens\) exceeds the available context size \({_N} tokens\)"
+)
+# Ollama's runner gives no number at all.
+_OLLAMA = "the input length exceeds the context length"
+
+
+def context_overflow(body: bytes) -> ContextOverflow | None:
+    """The context overflow an upstream's error body reports, or None for any other error."""
+    message = upstream_message(body)
+    error = _error_object(body)
+    if error.get("type") == "exceed_context_size_error":
+        prompt, limit = error.get("n_prompt_tokens"), error.get("n_ctx")
+        if isinstance(prompt, int) and isinstance(limit, int):
+            return ContextOverflow(prompt_tokens=prompt, limit=limit)
+    if match := _VLLM_TOTAL.search(message):
+        limit, completion, prompt = map(int, match.groups())
+        return ContextOverflow(prompt, limit, completion or None, at_least=True)
+    if match := _VLLM_PASSED.search(message):
+        count, unit, completion, limit = match.groups()
+        prompt = int(count) if unit == "tokens" else None  # characters: no token count
+        return ContextOverflow(
+            prompt, int(limit), int(completion) if completion else None, at_least=True
+        )
+    if match := _VLLM_MAX_TOKENS.search(message):
+        completion, limit, prompt = map(int, match.groups())
+        return ContextOverflow(prompt, limit, completion)
+    if match := _VLLM_PROMPT.search(message):
+        return ContextOverflow(int(match[3]), int(match[1]), at_least=bool(match[2]))
+    if match := _VLLM_REQUESTED.search(message):
+        limit, _, prompt, completion = map(int, match.groups())
+        return ContextOverflow(prompt, limit, completion)
+    if match := _VLLM_REQUESTED_PROMPT.search(message):
+        return ContextOverflow(int(match[2]), int(match[1]))
+    if match := _LLAMA_CPP.search(message):
+        return ContextOverflow(int(match[1]), int(match[2]))
+    if _OLLAMA in message:
+        return ContextOverflow(None, None)
+    return None
+
+
+def _error_object(body: bytes) -> dict[str, Any]:
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return {}
+    error = document.get("error") if isinstance(document, dict) else None
+    return error if isinstance(error, dict) else {}

@@ -5,6 +5,10 @@ cancel lands on whatever it awaits: its place in the queue, the upstream's heade
 its `RequestRecord` is finished exactly once whatever the ending, and `drain` can wait for all
 of them, then cancel the stragglers the same way. A cancelled handler tells the two apart by
 the record's outcome: for "shutdown" the client is still there and gets an error answer.
+
+A request counts as in flight until twisted.web has finished it (`notifyFinish`), not until
+its handler returns: Klein writes a returned body after the handler's Deferred fires, so a
+drain that ended with the handler would let the process exit before the answer was written.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from collections.abc import Coroutine
 from contextlib import suppress
 from typing import Any
 
-from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
+from homelab_gateway.errors import shutdown_error
+from homelab_gateway.respond import send_error
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 
@@ -28,13 +35,21 @@ class InFlight:
         self.draining = False
         self._active: dict[IRequest, tuple[RequestRecord, Deferred[Any]]] = {}
         self._idle: list[Deferred[None]] = []
+        self._grace: Deferred[None] | None = None
 
     def __len__(self) -> int:
         return len(self._active)
 
     def run(
-        self, request: IRequest, record: RequestRecord, work: Coroutine[Any, Any, Any]
+        self,
+        request: IRequest,
+        record: RequestRecord,
+        work: Coroutine[Any, Any, Any],
+        *,
+        anthropic: bool = True,
     ) -> Deferred[Any]:
+        """Drive `work` for `request`; a shutdown that cuts a handler before it answered gets
+        the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did."""
         d = ensureDeferred(work)
         self._active[request] = (record, d)
 
@@ -44,23 +59,28 @@ class InFlight:
             d.cancel()  # unwinds the handler now, so the record is complete below
 
         def request_over(_: object) -> None:
-            # After Klein wrote a returned body (or the client left): the status is final.
+            # After Klein wrote a returned body (or the client left): the status is final,
+            # and the answer's last byte is with the transport.
             record.status = request.code if request.startedWriting else None
             self.telemetry.finish(record)
-
-        def work_done(result: object) -> object:
             del self._active[request]
             if not self._active:
                 idle, self._idle = self._idle, []
                 for waiter in idle:
                     waiter.callback(None)
-            return result
+
+        def cut_by_shutdown(failure: Failure) -> Any:
+            failure.trap(CancelledError)
+            if record.outcome != "shutdown" or request.startedWriting:
+                return failure
+            return send_error(request, shutdown_error(), anthropic=anthropic)
 
         request.notifyFinish().addErrback(client_left)
         request.notifyFinish().addBoth(request_over)
-        return d.addBoth(work_done)
+        return d.addErrback(cut_by_shutdown)
 
     def idle(self) -> Deferred[None]:
+        """Fires once no request is in flight (every answer handed to its transport)."""
         if not self._active:
             return succeed(None)
         d: Deferred[None] = Deferred(self._idle.remove)
@@ -68,13 +88,23 @@ class InFlight:
         return d
 
     async def drain(self, grace: float) -> None:
-        """Let requests finish for `grace` seconds, then cancel the rest as a disconnect would,
-        which cancels their upstream requests and frees their slots."""
+        """Let requests finish for `grace` seconds (or until `cut_short`), then cancel the rest
+        as a disconnect would, which cancels their upstream requests and frees their slots."""
         self.draining = True
         if self._active:
-            with suppress(DeferredTimeout):
-                await self.idle().addTimeout(grace, self.clock)
+            self._grace = self.idle().addTimeout(grace, self.clock)
+            with suppress(DeferredTimeout, CancelledError):
+                await self._grace
+            self._grace = None
         for record, d in list(self._active.values()):
-            record.outcome = "shutdown"
-            d.cancel()
+            if not d.called:
+                record.outcome = "shutdown"
+                d.cancel()
         await self.idle()
+
+    def cut_short(self) -> bool:
+        """End the grace period now (a second SIGTERM); False if no grace is running."""
+        if self._grace is None:
+            return False
+        self._grace.cancel()
+        return True

@@ -43,10 +43,11 @@ class PositionedSemaphore(DeferredSemaphore):
         self._reported: dict[Deferred[DeferredSemaphore], int] = {}
         self._pass: IDelayedCall | None = None
         self.reports = 0  # position reports made: how many frames the coalescing saves
+        self._surplus = 0  # slots held beyond `limit` since a resize made it smaller
 
     @property
     def in_use(self) -> int:
-        return self.limit - self.tokens
+        return self.limit - self.tokens + self._surplus
 
     def acquire_in_line(
         self, on_position: PositionListener | None = None
@@ -70,7 +71,23 @@ class PositionedSemaphore(DeferredSemaphore):
         return d
 
     def release(self) -> None:
-        super().release()
+        if self._surplus:
+            self._surplus -= 1  # a slot held over a smaller limit: it is not handed on
+        else:
+            super().release()
+        self._changed()
+
+    def resize(self, limit: int) -> None:
+        """Change the number of slots for new grants (a config reload). Growing hands the new
+        slots to the head of the line now; shrinking never revokes a held slot: releases are
+        kept back until no more than `limit` are held."""
+        held = self.in_use
+        self.limit = limit
+        self._surplus = max(0, held - limit)
+        self.tokens = max(0, limit - held)
+        while self.tokens and self.waiting:
+            self.tokens -= 1
+            self.waiting.pop(0).callback(self)
         self._changed()
 
     def _cancelAcquire(self, d: Deferred[DeferredSemaphore]) -> None:

@@ -9,7 +9,9 @@ every resource is given back in a `finally`, so no exit path can keep a slot.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,8 +20,20 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.errors import GatewayError, shutdown_error, upstream_http_error
-from homelab_gateway.mapping import InvalidRequest, MappedRequest, map_request, request_model
+from homelab_gateway.errors import (
+    ContextOverflow,
+    GatewayError,
+    context_overflow,
+    shutdown_error,
+    upstream_http_error,
+)
+from homelab_gateway.mapping import (
+    InvalidRequest,
+    MappedRequest,
+    find_model,
+    map_request,
+    request_model,
+)
 from homelab_gateway.pool import Pool
 from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.sse import encode_event
@@ -35,6 +49,10 @@ from homelab_gateway.translator import (
 )
 from homelab_gateway.upstream import AnswerComplete, Backpressure, UpstreamBroken
 
+TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
+"""vLLM's /tokenize answer lists every token id (about 7 bytes each): 8 MiB covers a
+million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
+short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
@@ -109,6 +127,14 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    """`1e400` is valid JSON but overflows to infinity, which would go upstream as `Infinity`."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 class Messages:
     """POST /llm/v1/messages, streaming and not."""
 
@@ -120,25 +146,98 @@ class Messages:
         clock: IReactorTime,
         ping_interval: float,
         write_stall_timeout: float,
+        upstream_window: Callable[[str, str], int | None] = lambda upstream, model: None,
     ) -> None:
         self.models = models
         self.pools = pools
         self.clock = clock
         self.ping_interval = ping_interval
         self.write_stall_timeout = write_stall_timeout
+        self.upstream_window = upstream_window
+
+    def context_window(self, model: ModelConfig) -> int | None:
+        """The model's window: what its upstream's /models says (vLLM), else the config's."""
+        window = self.upstream_window(model.upstream, model.upstream_model)
+        return window if window is not None else model.context_window
+
+    async def tokenize(self, pool: Pool, body: Mapping[str, Any]) -> tuple[int | None, int | None]:
+        """vLLM's exact prompt count and window from its /tokenize (beside /v1): (None, None)
+        where there is no such endpoint (llama.cpp's takes other fields, Ollama has none), or
+        when no tokenizer place came free within `connect_timeout` (see pool.hold_tokenizer)."""
+        upstream = pool.upstream
+        base = upstream.url.removesuffix("/v1")
+        payload = {
+            "model": body["model"],
+            "messages": body["messages"],
+            "add_generation_prompt": True,
+        }
+        if "tools" in body:
+            payload["tools"] = body["tools"]
+        headers = {b"content-type": [b"application/json"]}
+        place = await pool.hold_tokenizer(self.clock)
+        if place is None:
+            return None, None
+        try:
+            response = await upstream.open(
+                "POST", base + "/tokenize", headers, json.dumps(payload).encode()
+            )
+            text = await upstream.read_limited(response, TOKENIZE_BODY_LIMIT)
+        except GatewayError:
+            return None, None
+        finally:
+            place.release()
+        if response.code != 200:
+            return None, None
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return None, None
+        if not isinstance(answer, dict):
+            return None, None
+        count, window = answer.get("count"), answer.get("max_model_len")
+        return (
+            count if isinstance(count, int) and count >= 0 else None,
+            window if isinstance(window, int) and window > 0 else None,
+        )
+
+    async def _overflow_error(
+        self, pool: Pool, mapped: MappedRequest, overflow: ContextOverflow
+    ) -> tuple[GatewayError, int]:
+        """Fill in the numbers the upstream left out, then say it in Anthropic's words.
+
+        vLLM 0.32 stops counting one token past the window ("at least 2049") and Ollama gives
+        no number: the prompt's real count comes from /tokenize where there is one, the window
+        from /tokenize, /models or the config. With no count at all the gateway's estimate
+        stands in. Answers the error and the prompt's count, for the request's record.
+        """
+        prompt, limit = overflow.prompt_tokens, overflow.limit
+        if prompt is None or overflow.at_least:
+            count, window = await self.tokenize(pool, mapped.body)
+            if count is not None:
+                prompt = max(count, prompt or 0)
+            limit = limit or window
+        if limit is None:
+            model = find_model(self.models, mapped.model)
+            limit = self.context_window(model) if model is not None else None
+        if prompt is None:
+            prompt = mapped.estimated_input_tokens
+        return dataclasses.replace(overflow, prompt_tokens=prompt, limit=limit).error(), prompt
 
     def resolve(
         self, request: IRequest, record: RequestRecord, *, count_only: bool = False
     ) -> tuple[Pool, MappedRequest]:
         """Parse and map the request body; the channel has already bounded its size."""
         try:
-            body = json.loads(request.content.read(), parse_constant=_no_constant)
+            body = json.loads(
+                request.content.read(), parse_constant=_no_constant, parse_float=_finite_float
+            )
             name = request_model(body)
             record.model = name
-            model = self.models.get(name)
+            model = find_model(self.models, name)
             if model is None:
                 known = ", ".join(sorted(self.models))
                 raise GatewayError(404, f"model: {name!r} is not served here (models: {known})")
+            record.served_model = model.name  # a pattern, never the client's string: bounded
             record.upstream = model.upstream
             pool = self.pools[model.upstream]
             mapped = map_request(
@@ -241,6 +340,10 @@ class Messages:
             raise
         if response.code != 200:
             error_body = await upstream.read_limited(response)
+            overflow = context_overflow(error_body)
+            if overflow is not None:
+                error, record.input_tokens = await self._overflow_error(pool, mapped, overflow)
+                raise error
             retry_after = response.headers.getRawHeaders(b"retry-after", [None])[0]
             raise upstream_http_error(
                 response.code, error_body, retry_after.decode() if retry_after else None
@@ -249,6 +352,7 @@ class Messages:
             model=mapped.model,
             input_tokens=mapped.estimated_input_tokens,
             stop_sequences=mapped.stop_sequences,
+            show_reasoning=mapped.show_reasoning,
         )
         decoder = UpstreamDecoder(translator)
         emitted = False

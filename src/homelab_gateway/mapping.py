@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,12 @@ IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/we
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens itself
+# Claude Code's attribution line, first in its system prompt. It carries a per-prompt suffix
+# (and, in some versions, a `cch=` value new on every request) ahead of a ~20,000-token system
+# prompt, so with it no upstream prefix cache ever matches. Decided as vLLM's chat renderer does
+# (`_strip_claude_code_billing_header`): a system text starting with it loses its first line,
+# and the block goes if nothing follows; any other text is untouched.
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 class InvalidRequest(Exception):
@@ -34,6 +41,7 @@ class MappedRequest:
     body: dict[str, Any]  # the OpenAI request for the upstream
     stop_sequences: tuple[str, ...]
     estimated_input_tokens: int
+    show_reasoning: bool = True  # False: drop the upstream's reasoning from the answer
 
 
 def request_model(body: Any) -> str:
@@ -44,6 +52,27 @@ def request_model(body: Any) -> str:
     if not isinstance(model, str) or not model:
         raise InvalidRequest(f"model: must be a non-empty string, got {_kind(model)}")
     return model
+
+
+def find_model(models: Mapping[str, ModelConfig], name: str) -> ModelConfig | None:
+    """The model configured for the client's `name`: its exact entry, else a pattern's.
+
+    A configured name with `*` in it is a shell-style pattern (fnmatch, case-sensitive), so
+    Claude Code's built-in names (`claude-sonnet-4-5-20250929`, `claude-haiku-4-5`) reach a local
+    model with nothing set but ANTHROPIC_BASE_URL. Exact names win; among patterns the most
+    specific (most characters that are not wildcards) wins, then the first in the file.
+    """
+    exact = models.get(name)
+    if exact is not None and "*" not in exact.name:
+        return exact
+    matches = [
+        model
+        for pattern, model in models.items()
+        if "*" in pattern and fnmatch.fnmatchcase(name, pattern)
+    ]
+    if not matches:
+        return None
+    return max(matches, key=lambda model: len(model.name.replace("*", "").replace("?", "")))
 
 
 def map_request(
@@ -59,15 +88,20 @@ def map_request(
     """
     client_model = request_model(body)
     messages: list[dict[str, Any]] = []
+    strip = model.strip_billing_header
     system = body.get("system")
     if system is not None:
-        messages.append({"role": "system", "content": _system_text(system, "system")})
+        text = _system_text(system, "system", strip=strip)
+        if text is not None:
+            messages.append({"role": "system", "content": text})
     raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
+    if not isinstance(raw_messages, list):
         raise InvalidRequest(f"messages: must be a non-empty array, got {_kind(raw_messages)}")
+    if not raw_messages:
+        raise InvalidRequest("messages: must be a non-empty array, got an empty array")
     previous_tool_ids: set[str] = set()
     for i, message in enumerate(raw_messages):
-        previous_tool_ids = _message(message, f"messages.{i}", previous_tool_ids, messages)
+        previous_tool_ids = _message(message, f"messages.{i}", previous_tool_ids, messages, strip)
 
     out: dict[str, Any] = {"model": model.upstream_model, "messages": messages}
     max_tokens = body.get("max_tokens")
@@ -117,8 +151,8 @@ def map_request(
     if tool_choice is not None:
         _tool_choice(tool_choice, out)
 
-    _thinking(body.get("thinking"), model, out)
-    _effort(body.get("output_config"), model, out)
+    thinking = _thinking(body.get("thinking"), model, out)
+    _output_config(body.get("output_config"), body.get("output_format"), model, out)
 
     estimate = _estimate_tokens(messages, out.get("tools"))
     return MappedRequest(
@@ -127,11 +161,16 @@ def map_request(
         body=_merge(model.params, out),
         stop_sequences=stop_sequences,
         estimated_input_tokens=estimate,
+        show_reasoning=model.show_reasoning == "always" or thinking,
     )
 
 
 def _message(
-    message: Any, where: str, previous_tool_ids: set[str], out: list[dict[str, Any]]
+    message: Any,
+    where: str,
+    previous_tool_ids: set[str],
+    out: list[dict[str, Any]],
+    strip: bool,
 ) -> set[str]:
     """Append the OpenAI messages for one Anthropic message; return the tool ids it calls."""
     if not isinstance(message, Mapping):
@@ -139,7 +178,9 @@ def _message(
     role = message.get("role")
     content = message.get("content")
     if role == "system":  # Claude Code sends these inside messages; vLLM takes them in place
-        out.append({"role": "system", "content": _system_text(content, f"{where}.content")})
+        text = _system_text(content, f"{where}.content", strip=strip)
+        if text is not None:
+            out.append({"role": "system", "content": text})
         return previous_tool_ids
     if role not in ("user", "assistant"):
         raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant', got {_kind(role)}")
@@ -262,18 +303,25 @@ def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
 
 
-def _system_text(system: Any, where: str) -> str:
-    if isinstance(system, str):
-        return system
-    if not isinstance(system, list):
+def _system_text(system: Any, where: str, *, strip: bool) -> str | None:
+    """The system prompt's text; None when it held nothing but the billing header."""
+    blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system
+    if not isinstance(blocks, list):
         raise InvalidRequest(f"{where}: must be a string or an array of text blocks")
     texts = []
-    for j, block in enumerate(system):
+    dropped = False
+    for j, block in enumerate(blocks):
         kind = _block_type(block, f"{where}.{j}")
         if kind != "text":
             raise InvalidRequest(f"{where}.{j}.type: must be 'text', got {kind!r}")
-        texts.append(_string(block, "text", f"{where}.{j}"))
-    return "\n\n".join(texts)
+        text = _string(block, "text", f"{where}.{j}")
+        if strip and text.startswith(BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                dropped = True
+                continue
+        texts.append(text)
+    return None if dropped and not texts else "\n\n".join(texts)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -323,9 +371,10 @@ def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
             out["parallel_tool_calls"] = False
 
 
-def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> None:
+def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> bool:
+    """Map `thinking`; answer whether the client asked for reasoning."""
     if thinking is None:
-        return
+        return False
     if not isinstance(thinking, Mapping):
         raise InvalidRequest(f"thinking: must be an object, got {_kind(thinking)}")
     kind = thinking.get("type")
@@ -340,14 +389,47 @@ def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> None:
         )
     if model.map_thinking:
         out["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+    return kind != "disabled"
 
 
-def _effort(config: Any, model: ModelConfig, out: dict[str, Any]) -> None:
-    if config is None:
-        return
-    if not isinstance(config, Mapping):
+def _output_config(config: Any, beta_format: Any, model: ModelConfig, out: dict[str, Any]) -> None:
+    """`output_config` (effort, format) and the older beta spelling `output_format`."""
+    if config is not None and not isinstance(config, Mapping):
         raise InvalidRequest(f"output_config: must be an object, got {_kind(config)}")
-    effort = config.get("effort")
+    config = config or {}
+    output_format = config.get("format")
+    if output_format is not None and beta_format is not None and output_format != beta_format:
+        raise InvalidRequest("output_format: differs from output_config.format; send one of them")
+    if output_format is not None:
+        out["response_format"] = _response_format(output_format, "output_config.format")
+    elif beta_format is not None:
+        out["response_format"] = _response_format(beta_format, "output_format")
+    _effort(config.get("effort"), model, out)
+
+
+def _response_format(output_format: Any, where: str) -> dict[str, Any]:
+    """Anthropic's JSON-schema output as OpenAI's `response_format`, which vLLM, llama.cpp and
+    Ollama all take; anything else is refused by name rather than answered in prose."""
+    if not isinstance(output_format, Mapping):
+        raise InvalidRequest(f"{where}: must be an object, got {_kind(output_format)}")
+    kind = output_format.get("type")
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"{where}.type: only 'json_schema' can be carried upstream, got {_kind(kind)}"
+        )
+    schema = output_format.get("schema")
+    if not isinstance(schema, Mapping) or not schema:
+        raise InvalidRequest(f"{where}.schema: must be a non-empty object, got {_kind(schema)}")
+    unknown = sorted(set(output_format) - {"type", "schema"})
+    if unknown:
+        raise InvalidRequest(f"{where}.{unknown[0]}: cannot be carried to the upstream")
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": dict(schema), "strict": True},
+    }
+
+
+def _effort(effort: Any, model: ModelConfig, out: dict[str, Any]) -> None:
     if effort is None:
         return
     if effort not in EFFORTS:

@@ -8,8 +8,9 @@ leave a stale "ready" behind.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
@@ -20,12 +21,16 @@ from homelab_gateway.errors import GatewayError
 if TYPE_CHECKING:
     from homelab_gateway.llm import Pool
 
+MODELS_BODY_LIMIT = 256 * 1024  # Ollama lists every pulled model
+
 
 @dataclass
 class Probe:
     ok: bool = False
     at: float | None = None  # when the latest probe ended
     detail: str = "not probed yet"
+    # vLLM's /v1/models says each model's window (max_model_len); kept from the latest answer.
+    windows: dict[str, int] = field(default_factory=dict)
 
 
 class Readiness:
@@ -68,13 +73,20 @@ class Readiness:
         probe = self.probes[name]
         try:
             response = await upstream.open("GET", upstream.url + "/models", {}, None)
-            await upstream.read_limited(response, 4096)
+            body = await upstream.read_limited(response, MODELS_BODY_LIMIT)
         except GatewayError as e:
             probe.ok, probe.detail = False, e.message
         else:
             probe.ok = response.code == 200
             probe.detail = "ok" if probe.ok else f"GET /models answered {response.code}"
+            if probe.ok:
+                probe.windows = _windows(body)
         probe.at = self.clock.seconds()
+
+    def context_window(self, upstream: str, model: str) -> int | None:
+        """The upstream's window for `model` as its /models last said, if it says one."""
+        probe = self.probes.get(upstream)
+        return probe.windows.get(model) if probe is not None else None
 
     def report(self) -> tuple[bool, dict[str, Any]]:
         now = self.clock.seconds()
@@ -85,3 +97,18 @@ class Readiness:
             detail = probe.detail if fresh or probe.at is None else "no recent probe"
             upstreams[name] = {"ready": ok, "detail": "ok" if ok else detail}
         return all(u["ready"] for u in upstreams.values()), upstreams
+
+
+def _windows(body: bytes) -> dict[str, int]:
+    """{model id: max_model_len} from an OpenAI /models list; vLLM is the one that says it."""
+    try:
+        data = json.loads(body).get("data")
+    except (ValueError, AttributeError):
+        return {}
+    windows: dict[str, int] = {}
+    for entry in data if isinstance(data, list) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            size = entry.get("max_model_len")
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                windows[entry["id"]] = size
+    return windows

@@ -4,18 +4,23 @@
 the config, taking the reactor as a parameter so tests can hand it their own. `GatewayService`
 binds the port in `privilegedStartService`, so a port that cannot be bound stops start-up with
 one line and a non-zero exit, and drains on stop: no new connections, new requests refused,
-queued ones failed, in-flight ones given `shutdown_grace` seconds, then cancelled.
+queued ones failed, in-flight ones given `shutdown_grace` seconds, then cancelled; the process
+exits only once every answer has been written out. SIGHUP reloads the config in place.
 """
 
 from __future__ import annotations
 
 import cProfile
 import os
+import signal
 import sys
+from contextlib import suppress
 from typing import IO, Any
+from weakref import WeakValueDictionary
 
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort, IStreamServerEndpoint
@@ -25,48 +30,100 @@ from twisted.web.client import Agent
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.channel import GatewaySite, WireLimits
-from homelab_gateway.config import Config
+from homelab_gateway.config import Config, ConfigError, ModelConfig, UpstreamConfig, load_config
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.limiter import PositionedSemaphore
 from homelab_gateway.llm import Messages
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ProxyRoute, ReverseProxy
-from homelab_gateway.readiness import Readiness
+from homelab_gateway.readiness import Probe, Readiness
+from homelab_gateway.reload import config_changes
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
 
 log = Logger()
+# After the grace period and the last answer: how long a client that stopped reading may keep
+# the process waiting for its buffered bytes (systemd's TimeoutStopSec must leave room).
+CLOSE_TIMEOUT = 5.0
 PROFILE_ENV = "HOMELAB_GATEWAY_PROFILE"  # a path: profile the reactor thread, write stats on stop
 
 
 class Gateway:
+    """Every object one running daemon holds. `reload` swaps in a new config in place: the
+    maps of models and pools are shared with the web layer, telemetry and readiness and are
+    changed in place, so a reload reaches them all; a pool whose upstream stays keeps its
+    object, so its held slots and its line of waiters carry over."""
+
+    close_timeout = CLOSE_TIMEOUT
+
     def __init__(self, config: Config, reactor: Any) -> None:
         self.config = config
         self.reactor = reactor
-        server = config.server
         self.http_pool = UpstreamPool(reactor, persistent=True)
-        self.http_pool.maxPersistentPerHost = max(
-            [16, *(u.slots for u in config.upstreams.values())]
-        )
         self.pools: dict[str, Pool] = {}
-        for name, upstream in config.upstreams.items():
-            self.pools[name] = Pool(
-                upstream=self._client(
-                    name,
-                    upstream.url,
-                    upstream.connect_timeout,
-                    upstream.idle_timeout,
-                    upstream.api_key,
-                    transparent=False,
-                ),
-                slots=PositionedSemaphore(
-                    upstream.slots, reactor, queue_limit=upstream.queue_limit
-                ),
-                queue_timeout=upstream.queue_timeout,
-                continuous_usage_stats=upstream.continuous_usage_stats,
-            )
+        # Pools of removed upstreams, alive only while a request still holds or awaits them:
+        # an upstream added back before they finish gets its old slots back, not a second set.
+        self._retired: WeakValueDictionary[str, Pool] = WeakValueDictionary()
+        self.models: dict[str, ModelConfig] = {}
+        self._sync_pools(None, config)
+        self.models.update(config.models)
+        self.telemetry = Telemetry(reactor, self.pools)
+        self.inflight = InFlight(reactor, self.telemetry)
+        self.readiness = Readiness(self.pools, reactor, config.server.probe_interval)
+        self._started = False
+        self.app = GatewayApp(
+            models=self.models,
+            pools=self.pools,
+            proxy=self._proxy(config),
+            messages=self._messages(config),
+            access=self._access(config),
+            inflight=self.inflight,
+            telemetry=self.telemetry,
+            readiness=self.readiness,
+        )
+        self.site = GatewaySite(self.app.app.resource(), self._limits(config), reactor=reactor)
+        self.site.displayTracebacks = False
+
+    def _sync_pools(self, old: Config | None, new: Config) -> None:
+        """Make `self.pools` match `new.upstreams`, keeping the Pool of every upstream that
+        stays (its held slots and waiters), resizing its slots for new grants only."""
+        for name in [n for n in self.pools if n not in new.upstreams]:
+            self._retired[name] = self.pools.pop(name)
+        for name, upstream in new.upstreams.items():
+            pool = self.pools.get(name) or self._retired.pop(name, None)
+            if pool is None:
+                self.pools[name] = Pool(
+                    upstream=self._upstream_client(upstream),
+                    slots=PositionedSemaphore(
+                        upstream.slots, self.reactor, queue_limit=upstream.queue_limit
+                    ),
+                    queue_timeout=upstream.queue_timeout,
+                    continuous_usage_stats=upstream.continuous_usage_stats,
+                )
+                continue
+            before = old.upstreams.get(name) if old is not None else None
+            if before is None or _connection(before) != _connection(upstream):
+                pool.upstream = self._upstream_client(upstream)
+            pool.slots.resize(upstream.slots)
+            pool.slots.queue_limit = upstream.queue_limit
+            pool.queue_timeout = upstream.queue_timeout
+            pool.continuous_usage_stats = upstream.continuous_usage_stats
+            self.pools[name] = pool
+        self.http_pool.maxPersistentPerHost = max([16, *(u.slots for u in new.upstreams.values())])
+
+    def _upstream_client(self, upstream: UpstreamConfig) -> Upstream:
+        return self._client(
+            upstream.name,
+            upstream.url,
+            upstream.connect_timeout,
+            upstream.idle_timeout,
+            upstream.api_key,
+            transparent=False,
+        )
+
+    def _proxy(self, config: Config) -> ReverseProxy:
         routes = []
         for route in config.routes:
             pool = self.pools[route.upstream] if route.upstream else None
@@ -82,37 +139,32 @@ class Gateway:
                 transparent=True,
             )
             routes.append(ProxyRoute(prefix=route.prefix.encode(), upstream=client, pool=pool))
-        self.telemetry = Telemetry(reactor, self.pools)
-        self.inflight = InFlight(reactor, self.telemetry)
-        self.readiness = Readiness(self.pools, reactor, server.probe_interval)
-        self.access = AccessPolicy(
+        return ReverseProxy(routes, self.reactor, config.server.write_stall_timeout)
+
+    def _messages(self, config: Config) -> Messages:
+        return Messages(
+            models=self.models,
+            pools=self.pools,
+            clock=self.reactor,
+            ping_interval=config.server.ping_interval,
+            write_stall_timeout=config.server.write_stall_timeout,
+            upstream_window=self.readiness.context_window,
+        )
+
+    def _access(self, config: Config) -> AccessPolicy:
+        return AccessPolicy(
             config.auth.api_keys,
             protect_metrics=config.auth.protect_metrics,
-            cors_origins=server.cors_origins,
+            cors_origins=config.server.cors_origins,
         )
-        self.app = GatewayApp(
-            models=config.models,
-            pools=self.pools,
-            proxy=ReverseProxy(routes, reactor, server.write_stall_timeout),
-            messages=Messages(
-                models=config.models,
-                pools=self.pools,
-                clock=reactor,
-                ping_interval=server.ping_interval,
-                write_stall_timeout=server.write_stall_timeout,
-            ),
-            access=self.access,
-            inflight=self.inflight,
-            telemetry=self.telemetry,
-            readiness=self.readiness,
-        )
-        limits = WireLimits(
+
+    def _limits(self, config: Config) -> WireLimits:
+        server = config.server
+        return WireLimits(
             max_body_bytes=server.max_body_bytes,
             max_header_bytes=server.max_header_bytes,
             request_timeout=server.request_timeout,
         )
-        self.site = GatewaySite(self.app.app.resource(), limits, reactor=reactor)
-        self.site.displayTracebacks = False
 
     def _client(
         self,
@@ -136,22 +188,73 @@ class Gateway:
         )
 
     def start(self) -> None:
+        self._started = True
         self.readiness.start()
 
+    def reload(self, config: Config) -> list[str]:
+        """Apply `config` without dropping anything; return what changed, one line each.
+
+        New requests see the new models, routes, keys and limits at once; a request already
+        running keeps what it started with (its pool, its upstream client, its route). Removed
+        upstreams take no new requests and finish what they hold. New connections get the new
+        wire limits; the listening port and the log format stay until a restart.
+        """
+        old, changes = self.config, config_changes(self.config, config)
+        self._sync_pools(old, config)
+        self.models.clear()
+        self.models.update(config.models)
+        self.app.proxy = self._proxy(config)
+        self.app.messages = self._messages(config)
+        self.app.access = self._access(config)
+        self.site.limits = self._limits(config)
+        self.readiness.interval = config.server.probe_interval
+        self.readiness.probes = {
+            name: self.readiness.probes.get(name) or Probe() for name in self.pools
+        }
+        if self._started and old.upstreams != config.upstreams:
+            self.readiness.stop()  # probe the new set now rather than a round later
+            self.readiness.start()
+        self.config = config
+        return changes
+
+    def _all_pools(self) -> list[Pool]:
+        return [*self.pools.values(), *self._retired.values()]
+
     async def drain(self) -> None:
-        """Refuse new work, fail the queued, give in-flight requests the grace period."""
+        """Refuse new work, fail the queued, give in-flight requests the grace period, then
+        close every connection once it has written out what it holds."""
         self.inflight.draining = True
-        for pool in self.pools.values():
+        for pool in self._all_pools():
             pool.slots.fail_waiting(
                 GatewayError(529, "the gateway is shutting down", outcome="shutdown")
             )
         await self.inflight.drain(self.config.server.shutdown_grace)
+        await self._close_connections()
+
+    def cut_short(self) -> bool:
+        """End the drain's grace period now; False if no grace period is running."""
+        return self.inflight.cut_short()
+
+    async def _close_connections(self) -> None:
+        """Close idle keep-alive connections at once and the others once their buffered bytes
+        are written, bounded by `close_timeout` for a client that stopped reading."""
+        for channel in list(self.site.connections):
+            channel.loseConnection()
+        with suppress(DeferredTimeout):
+            await self.site.all_closed().addTimeout(self.close_timeout, self.reactor)
+        for channel in list(self.site.connections):
+            channel.transport.abortConnection()
 
     async def close(self) -> None:
         self.readiness.stop()
-        for pool in self.pools.values():
+        for pool in self._all_pools():
             pool.slots.close()
         await self.http_pool.closeCachedConnections()
+
+
+def _connection(upstream: UpstreamConfig) -> tuple[object, ...]:
+    """What an upstream's HTTP client is built from; a change needs a new client."""
+    return (upstream.url, upstream.connect_timeout, upstream.idle_timeout, upstream.api_key)
 
 
 def listen_now(endpoint: IStreamServerEndpoint, factory: Any) -> IListeningPort:
@@ -176,20 +279,34 @@ def describe(port: IListeningPort) -> str:
 
 
 class GatewayService(Service):
+    """Binds, serves, and owns the process's signals once the reactor runs:
+
+    - SIGTERM or SIGINT drains (below) and the process exits 0: a drain that completed is a
+      clean stop, for systemd, Docker and shell scripts alike (twistd would re-raise the
+      signal, an exit status that tells a clean drain from a kill by nobody).
+    - A second SIGTERM or SIGINT ends the grace period at once: what still runs is answered
+      with its shutdown error, then the process exits.
+    - SIGHUP re-reads `config_path` and applies it (`Gateway.reload`); an invalid file is one
+      logged line and the running config stays.
+    """
+
     def __init__(
         self,
         config: Config,
         reactor: Any,
         listen: str | None = None,
         json_log: IO[str] | None = None,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
         self.reactor = reactor
         self.listen = listen or config.server.listen
         self.json_log = json_log
+        self.config_path = config_path
         self.gateway: Gateway | None = None
         self.port: IListeningPort | None = None
         self._profiler: cProfile.Profile | None = None
+        self._stopping = False
 
     def setServiceParent(self, parent: Any) -> None:
         # twistd asks the application for an ILogObserver before its own text logger, the way
@@ -203,6 +320,9 @@ class GatewayService(Service):
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
         self.gateway = Gateway(self.config, self.reactor)
+        # SIGHUP's default action ends the process: handle it before saying "listening". The
+        # reactor leaves SIGHUP alone; it installs its own SIGTERM and SIGINT as it starts.
+        self._handle(signal.SIGHUP)
         try:
             self.port = listen_now(serverFromString(self.reactor, self.listen), self.gateway.site)
         except CannotListenError as e:
@@ -215,12 +335,63 @@ class GatewayService(Service):
         super().startService()
         assert self.gateway is not None
         self.gateway.start()
+        # After the reactor's own handlers, which it installs as it starts running.
+        self.reactor.callWhenRunning(self._handle, signal.SIGTERM, signal.SIGINT)
         if os.environ.get(PROFILE_ENV):
             self._profiler = cProfile.Profile()
             self._profiler.enable()
 
+    def _handle(self, *numbers: int) -> None:
+        for number in numbers:
+            signal.signal(number, self._deliver)
+
+    def _deliver(self, number: int, _frame: object) -> None:
+        # A signal handler runs between two bytecodes of whatever the reactor was doing: hand
+        # the work to the reactor's thread (run once it runs) and return.
+        self.reactor.callFromThread(self.on_signal, number)
+
+    def on_signal(self, number: int) -> None:
+        name = signal.Signals(number).name
+        if number == signal.SIGHUP:
+            self.reload(name)
+        elif not self._stopping:
+            self._stopping = True
+            log.info("Received {signal}: draining, then stopping", signal=name)
+            self.reactor.stop()
+        elif self.gateway is not None and self.gateway.cut_short():
+            log.info("Received {signal} again: ending the grace period now", signal=name)
+        else:
+            log.info("Received {signal} again: already stopping", signal=name)
+
+    def reload(self, why: str = "reload") -> None:
+        """Re-read the config file and apply it; keep the running config if it is invalid."""
+        if self.config_path is None or self.gateway is None:
+            log.info("{why}: no config file to reload", why=why)
+            return
+        if self._stopping:
+            log.info("{why}: ignored while stopping", why=why)
+            return
+        try:
+            config = load_config(self.config_path)
+        except ConfigError as e:
+            log.error(
+                "homelab-gateway: reload failed, still running the previous config: {error}",
+                error=str(e),
+            )
+            return
+        changes = self.gateway.reload(config)
+        self.config = config
+        log.info(
+            "homelab-gateway: config reloaded from {path}: {n} changes",
+            path=self.config_path,
+            n=len(changes),
+        )
+        for change in changes:
+            log.info("reload: {change}", change=change)
+
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        self._stopping = True
         return ensureDeferred(self._stop())
 
     async def _stop(self) -> None:
@@ -233,7 +404,6 @@ class GatewayService(Service):
             await self.gateway.drain()
             await self.gateway.close()
         if self._profiler is not None:
-            # Written here, not at exit: twistd re-raises SIGTERM, which ends the process.
             self._profiler.disable()
             self._profiler.dump_stats(os.environ[PROFILE_ENV])
         log.info("homelab-gateway stopped")

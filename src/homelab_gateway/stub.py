@@ -68,6 +68,11 @@ class StubSettings:
     content_tokens: int = 8
     reasoning_field: str = "reasoning"  # reasoning | reasoning_content | both
     models: tuple[str, ...] = ()  # empty: answer any model name
+    # vLLM's --max-model-len: reported by /v1/models and /tokenize, enforced with its wording.
+    # None: nothing enforced (benchmarks and tests ask for huge max_tokens), /tokenize says 32768.
+    max_model_len: int | None = None
+    # vLLM's --enable-prompt-tokens-details: usage says the prefix-cache hits (cached_tokens)
+    prompt_tokens_details: bool = False
 
 
 @dataclass
@@ -112,6 +117,30 @@ def _prompt_words(messages: Any) -> list[str]:
     return words
 
 
+def _prompt_tokens(messages: Any) -> list[str]:
+    """The prompt as the stub's tokens: a word each, and 4 for each message's framing."""
+    tokens: list[str] = []
+    for message in messages if isinstance(messages, list) else ():
+        role = message.get("role") if isinstance(message, dict) else None
+        tokens += [f"<{role}>", *_prompt_words([message]), "", "", ""]
+    return tokens
+
+
+PREFIX_CACHE_BLOCK = 16  # vLLM's default block size: the prefix cache hits whole blocks
+
+
+def _cached_tokens(tokens: list[str], previous: list[str]) -> int:
+    """vLLM's automatic prefix caching, for the stub's one remembered prompt: the whole blocks
+    shared with it, and never the last token (vLLM always computes at least one)."""
+    shared = 0
+    for mine, theirs in zip(tokens, previous, strict=False):
+        if mine != theirs:
+            break
+        shared += 1
+    shared = min(shared, len(tokens) - 1)
+    return shared - shared % PREFIX_CACHE_BLOCK
+
+
 def _scenario(messages: Any) -> str:
     last_user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"][-1:]
     for word in _prompt_words(last_user):
@@ -142,6 +171,7 @@ class _Generation:
         self.prompt_tokens = len(_prompt_words(body.get("messages"))) + 4 * len(
             body.get("messages") or []
         )
+        self.cached_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._call: IDelayedCall | None = None
@@ -284,12 +314,20 @@ class _Generation:
             "choices": choices,
         }
         if usage:
-            envelope["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "completion_tokens": self.completion_tokens,
-            }
+            envelope["usage"] = self._usage(
+                {
+                    "prompt_tokens": self.prompt_tokens,
+                    "total_tokens": self.prompt_tokens + self.completion_tokens,
+                    "completion_tokens": self.completion_tokens,
+                }
+            )
         return envelope
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's UsageInfo: `prompt_tokens_details` only with --enable-prompt-tokens-details."""
+        if self.stub.settings.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
     # -- sending it --------------------------------------------------------------------------
 
@@ -418,11 +456,13 @@ class _Generation:
             "choices": [
                 {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             ],
-            "usage": {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-            },
+            "usage": self._usage(
+                {
+                    "prompt_tokens": self.prompt_tokens,
+                    "completion_tokens": self.completion_tokens,
+                    "total_tokens": self.prompt_tokens + self.completion_tokens,
+                }
+            ),
         }
         return json.dumps(completion).encode()
 
@@ -471,6 +511,7 @@ class StubResource(Resource):
         self.log = log
         self.stats = StubStats()
         self._counter = 0
+        self._last_prompt: list[str] = []  # the prefix cache's one remembered prompt
 
     def render_GET(self, request: Request) -> bytes:
         path = request.path.rstrip(b"/")
@@ -478,9 +519,17 @@ class StubResource(Resource):
         if path == b"/v1/models":
             names = self.settings.models or ("stub",)
             data = [
-                {"id": n, "object": "model", "created": 0, "owned_by": "homelab-stub"}
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "homelab-stub",
+                }
                 for n in names
             ]
+            if self.settings.max_model_len is not None:
+                for entry in data:
+                    entry["max_model_len"] = self.settings.max_model_len
             return json.dumps({"object": "list", "data": data}).encode()
         if path == b"/stub/status":
             return json.dumps(self.stats.__dict__).encode()
@@ -488,6 +537,18 @@ class StubResource(Resource):
             return b"{}"
         request.setResponseCode(404)
         return _error_body(404, f"no route for GET {path.decode()}")
+
+    def _too_long(self, generation: _Generation) -> tuple[int, str] | None:
+        """vLLM's context check, and its prefix cache's view of the prompt that passes."""
+        window = self.settings.max_model_len
+        output = generation.body.get("max_tokens") or generation.body.get("max_completion_tokens")
+        output = output if isinstance(output, int) else 0
+        if window is not None and generation.prompt_tokens + output > window:
+            return 400, _overflow_message(window, generation.prompt_tokens, output)
+        tokens = _prompt_tokens(generation.body.get("messages"))
+        generation.cached_tokens = _cached_tokens(tokens, self._last_prompt)
+        self._last_prompt = tokens
+        return None
 
     def render_POST(self, request: Request) -> bytes | int:
         path = request.path.rstrip(b"/")
@@ -501,7 +562,11 @@ class StubResource(Resource):
             words = _prompt_words(body.get("messages")) or str(body.get("prompt", "")).split()
             count = len(words) + 4 * len(body.get("messages") or [])
             return json.dumps(
-                {"count": count, "max_model_len": 32768, "tokens": list(range(count))}
+                {
+                    "count": count,
+                    "max_model_len": self.settings.max_model_len or 32768,
+                    "tokens": list(range(count)),
+                }
             ).encode()
         if path != b"/v1/chat/completions":
             request.setResponseCode(404)
@@ -533,6 +598,7 @@ class StubResource(Resource):
             ),
             "overloaded": (503, "stub: the server is overloaded"),
         }.get(generation.scenario)
+        refusal = refusal or self._too_long(generation)
         if refusal is not None:
             self.log.write("refused", request_id, status=refusal[0])
             request.setResponseCode(refusal[0])
@@ -567,6 +633,19 @@ class StubResource(Resource):
         return NOT_DONE_YET
 
 
+def _overflow_message(window: int, prompt: int, output: int) -> str:
+    """vLLM 0.32's renderer wording: it tokenizes only one token past the room left, so the
+    prompt is "at least" that long whatever its real length."""
+    counted = min(prompt, max(window - output, 0) + 1)
+    return (
+        f"This model's maximum context length is {window} tokens. However, you requested "
+        f"{output} output tokens and your prompt contains at least {counted} input tokens, for a "
+        f"total of at least {counted + output} tokens. Please reduce the length of the input "
+        f"prompt or the number of requested output tokens. "
+        f"(parameter=input_tokens, value={counted})"
+    )
+
+
 def stub_site(settings: StubSettings, clock: IReactorTime, log: StubLog) -> Site:
     site = Site(StubResource(settings, clock, log))
     site.displayTracebacks = False
@@ -587,6 +666,7 @@ class Options(usage.Options):
         ["reasoning-tokens", None, 8, "Reasoning tokens per answer (0: no reasoning)", int],
         ["content-tokens", None, 8, "Content tokens per answer", int],
         ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
+        ["max-model-len", None, None, "Context window, enforced as vLLM's", int],
         ["log", None, None, "Append a line per request start, completion, cancellation, hangup"],
     ]
 
@@ -597,6 +677,10 @@ class Options(usage.Options):
     def opt_model(self, name: str) -> None:
         """Serve this model name (repeatable; default: answer any name)"""
         self["models"].append(name)
+
+    optFlags = [
+        ["enable-prompt-tokens-details", None, "Report prefix-cache hits in usage, as vLLM"],
+    ]
 
     def postOptions(self) -> None:
         if self["reasoning-field"] not in ("reasoning", "reasoning_content", "both"):
@@ -610,6 +694,8 @@ class Options(usage.Options):
             content_tokens=self["content-tokens"],
             reasoning_field=self["reasoning-field"],
             models=tuple(self["models"]),
+            max_model_len=self["max-model-len"],
+            prompt_tokens_details=bool(self["enable-prompt-tokens-details"]),
         )
 
     def endpoint_description(self) -> str:

@@ -57,5 +57,7 @@ def makeService(options: Options) -> IService:
     if config.server.log_format == "json":
         twistd_options = getattr(options, "parent", None) or {}
         json_log = json_log_stream(twistd_options.get("logfile"))
-    service: Any = GatewayService(config, reactor, options["listen"], json_log=json_log)
+    service: Any = GatewayService(
+        config, reactor, options["listen"], json_log=json_log, config_path=options["config"]
+    )
     return service

@@ -5,6 +5,11 @@ stop reason, outcome) and `Telemetry.finish` turns it into counters, histograms 
 `twisted.logger` event. The slot and queue gauges are read from the limiters when scraped, so
 no code has to keep a second count in step with them. Prompt and completion text never reach a
 record, nor does any key.
+
+A client chooses the model name and the path, so neither may shape what is kept: metric labels
+carry only configured model names (any other becomes `unknown`: a label set that grows with
+every new name is memory and scrape size that never come back, and a name that is not valid
+UTF-8 breaks every later scrape), and log fields are capped and escaped.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ if TYPE_CHECKING:
 
 WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+UNKNOWN_MODEL = "unknown"
+LOGGED_CHARS = 200  # of each client-chosen string in a log line
 
 request_log = Logger(namespace="homelab_gateway.requests")
 
@@ -35,7 +42,8 @@ class RequestRecord:
     started: float
     method: str = ""
     path: str = ""
-    model: str = ""
+    model: str = ""  # as the client asked: logged (capped), never a label
+    served_model: str | None = None  # the configured model that took the request: the label
     upstream: str = ""
     stream: bool = False
     queue_wait: float | None = None
@@ -116,21 +124,25 @@ class Telemetry:
 
     def finish(self, record: RequestRecord) -> None:
         outcome = record.outcome or "completed"
-        self.requests.labels(record.upstream, record.surface, record.model, outcome).inc()
+        model_label = record.served_model or (UNKNOWN_MODEL if record.model else "")
+        self.requests.labels(record.upstream, record.surface, model_label, outcome).inc()
         if record.queue_wait is not None and record.upstream:
             self.queue_wait.labels(record.upstream).observe(record.queue_wait)
         if record.first_token is not None:
-            self.first_token.labels(record.upstream, record.model).observe(record.first_token)
+            self.first_token.labels(record.upstream, model_label).observe(record.first_token)
         if record.output_tokens:
-            self.output_tokens.labels(record.upstream, record.model).inc(record.output_tokens)
+            self.output_tokens.labels(record.upstream, model_label).inc(record.output_tokens)
         if record.upstream_cancelled:
             self.cancellations.labels(record.upstream).inc()
+        method, path = loggable(record.method), loggable(record.path)
+        model = loggable(record.model) if record.model else None
+        stop_reason = loggable(record.stop_reason) if record.stop_reason else record.stop_reason
         fields: dict[str, Any] = {
             "request_id": record.request_id,
             "surface": record.surface,
-            "method": record.method,
-            "path": record.path,
-            "model": record.model or None,
+            "method": method,
+            "path": path,
+            "model": model,
             "upstream": record.upstream or None,
             "stream": record.stream,
             "queue_wait": _round(record.queue_wait),
@@ -138,20 +150,33 @@ class Telemetry:
             "duration": _round(self.clock.seconds() - record.started),
             "input_tokens": record.input_tokens,
             "output_tokens": record.output_tokens,
-            "stop_reason": record.stop_reason,
+            "stop_reason": stop_reason,
             "outcome": outcome,
             "status": record.status,
         }
         # Rendered here with an f-string: twisted.logger's own formatting of a dozen named fields
         # costs more than the rest of a short request. Every field still travels with the event.
         summary = (
-            f"{record.request_id} {record.method} {record.path} {record.model or '-'} -> "
+            f"{record.request_id} {method} {path} {model or '-'} -> "
             f"{_show(record.status)} {outcome} in {fields['duration']}s"
             f" (queue {_show(fields['queue_wait'], 's')},"
             f" first token {_show(fields['time_to_first_token'], 's')},"
             f" tokens {_show(record.input_tokens)}/{_show(record.output_tokens)})"
         )
         request_log.info("{summary}", summary=summary, **fields)
+
+
+def loggable(text: str, limit: int = LOGGED_CHARS) -> str:
+    """`text` safe for one line of a UTF-8 log: at most `limit` characters (then `...`), and
+    anything unprintable (a newline that would forge a line, a lone surrogate UTF-8 cannot
+    encode) as a backslash escape."""
+    if len(text) <= limit and text.isprintable():
+        return text
+    cut = text[:limit]
+    shown = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut
+    )
+    return shown + ("..." if len(text) > limit else "")
 
 
 def _show(value: object, unit: str = "") -> str:

@@ -75,11 +75,13 @@ class StreamTranslator:
         input_tokens: int,
         stop_sequences: Sequence[str] = (),
         message_id: str | None = None,
+        show_reasoning: bool = True,
     ) -> None:
         self.phase = Phase.AWAITING_FIRST_CHUNK
         self.model = model
         self.message_id = message_id or new_message_id()
-        self.input_tokens = input_tokens
+        self.input_tokens = input_tokens  # the whole prompt, cached or not
+        self.cached_tokens = 0  # of those, read from the upstream's prefix cache
         self.output_tokens: int | None = None  # as reported by the upstream
         self.counted_tokens = 0  # deltas seen: the estimate when the upstream reports no usage
         self.stop_reason: str | None = None
@@ -91,6 +93,7 @@ class StreamTranslator:
         self._next_index = 0
         self._tools: dict[int, _ToolCall] = {}
         self._used_tools = False
+        self._show_reasoning = show_reasoning
         self._out: list[Event] = []
 
     @property
@@ -106,7 +109,7 @@ class StreamTranslator:
             return self.fail("api_error", "upstream sent a chunk that is not a JSON object")
         if chunk.get("error"):
             return self.fail(*_upstream_error(chunk["error"]))
-        self._take_usage(chunk.get("usage"))
+        self._take_usage(chunk.get("usage"), chunk.get("timings"))
         if self.phase is Phase.AWAITING_FIRST_CHUNK:
             self.phase = Phase.STREAMING
             self._out.append(self._message_start())
@@ -126,7 +129,7 @@ class StreamTranslator:
             what = "anything" if self.phase is Phase.AWAITING_FIRST_CHUNK else "a finish_reason"
             return self.fail("api_error", f"upstream ended the stream without {what}")
         self._close_block()
-        usage = {"input_tokens": self.input_tokens, "output_tokens": self.final_output_tokens}
+        usage = {**self._input_usage(), "output_tokens": self.final_output_tokens}
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
         self._out.append({"type": "message_delta", "delta": delta, "usage": usage})
         self._out.append({"type": "message_stop"})
@@ -162,14 +165,25 @@ class StreamTranslator:
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": {
-                    "input_tokens": self.input_tokens,
-                    "output_tokens": self.output_tokens or 0,
-                },
+                "usage": {**self._input_usage(), "output_tokens": self.output_tokens or 0},
             },
         }
 
-    def _take_usage(self, usage: Any) -> None:
+    def _input_usage(self) -> dict[str, int]:
+        """Anthropic's split of the prompt: its `input_tokens` leaves out what the cache read.
+
+        Local upstreams write no billed cache, so `cache_creation_input_tokens` is always 0.
+        """
+        cached = min(self.cached_tokens, self.input_tokens)
+        return {
+            "input_tokens": self.input_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
+
+    def _take_usage(self, usage: Any, timings: Any) -> None:
+        if isinstance(timings, dict) and _is_count(timings.get("cache_n")):
+            self.cached_tokens = timings["cache_n"]  # llama.cpp before prompt_tokens_details
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -177,13 +191,16 @@ class StreamTranslator:
             self.input_tokens = prompt
         if _is_count(completion):
             self.output_tokens = completion
+        cached = _cached_tokens(usage)
+        if cached is not None:
+            self.cached_tokens = cached
 
     def _choice(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta")
         if isinstance(delta, dict):
             produced = False
             reasoning = _text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))
-            if reasoning:
+            if reasoning and self._show_reasoning:
                 self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
                 produced = True
             content = _text(delta.get("content"))
@@ -253,6 +270,13 @@ class StreamTranslator:
 
     def _close_block(self) -> None:
         if self._open is not None:
+            if self._open[0] == "thinking":
+                # The SDKs' types end a thinking block with its signature. There is none to give
+                # (no upstream signs its reasoning): an empty one, as the block started with.
+                delta = {"type": "signature_delta", "signature": ""}
+                self._out.append(
+                    {"type": "content_block_delta", "index": self._open_index, "delta": delta}
+                )
             self._out.append({"type": "content_block_stop", "index": self._open_index})
             self._open = None
 
@@ -276,6 +300,18 @@ def _text(value: Any) -> str:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    """Prompt tokens the upstream read from its prefix cache, in whichever field it uses.
+
+    vLLM (with `--enable-prompt-tokens-details`) and llama.cpp's server both send
+    `prompt_tokens_details.cached_tokens`; llama.cpp before that field only had `timings.cache_n`.
+    """
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and _is_count(details.get("cached_tokens")):
+        return details["cached_tokens"]
+    return None
 
 
 def _upstream_error(error: Any) -> tuple[str, str]:
@@ -329,6 +365,8 @@ class MessageBuilder:
                 block["text"] += delta["text"]
             elif delta["type"] == "thinking_delta":
                 block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                block["signature"] = delta["signature"]
             elif delta["type"] == "input_json_delta":
                 self._json.setdefault(event["index"], []).append(delta["partial_json"])
         elif kind == "content_block_stop":

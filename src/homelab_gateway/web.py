@@ -6,31 +6,29 @@ Handlers only choose what runs. `_work` is the one door for requests that reach 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from klein import Klein
 from prometheus_client.twisted import MetricsResource
+from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
+from werkzeug.exceptions import NotFound
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.llm import Messages
+from homelab_gateway.mapping import find_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ReverseProxy
 from homelab_gateway.readiness import Readiness
-from homelab_gateway.respond import new_request_id, send_error, send_json
+from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
-TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
-"""vLLM's /tokenize answer lists every token id (about 7 bytes each): 8 MiB covers a
-million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
-short and fall back to the estimate."""
 
 Work = Callable[[RequestRecord], Coroutine[Any, Any, Any]]
 
@@ -61,8 +59,7 @@ class GatewayApp:
         self.metrics_resource = MetricsResource(telemetry.registry)
 
     def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
-        request_id = new_request_id()
-        request.setHeader(b"request-id", request_id.encode())
+        request_id = request.request_id  # GatewayRequest gives every answer one
         self.access.add_cors_headers(request)
         if self.access.cors_origins and self.access.is_preflight(request):
             return self.access.preflight(request)
@@ -72,7 +69,7 @@ class GatewayApp:
             record.outcome, record.status = refusal.outcome, refusal.status
             self.telemetry.finish(record)
             return send_error(request, refusal, anthropic=anthropic)
-        return self.inflight.run(request, record, work(record))
+        return self.inflight.run(request, record, work(record), anthropic=anthropic)
 
     def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
         """CORS and, where `protected`, the API key for a read-only endpoint; an answer if the
@@ -122,49 +119,20 @@ class GatewayApp:
         except GatewayError as e:
             record.outcome = e.outcome
             return send_error(request, e)
-        count = await self._tokenize(pool, mapped.body)
+        count, _ = await self.messages.tokenize(pool, mapped.body)
         record.input_tokens = count or mapped.estimated_input_tokens
         return send_json(request, 200, {"input_tokens": record.input_tokens})
-
-    async def _tokenize(self, pool: Pool, body: Mapping[str, Any]) -> int | None:
-        """vLLM's exact count from its /tokenize (beside /v1); None where there is none, or
-        when no tokenizer place came free within `connect_timeout` (see pool.hold_tokenizer)."""
-        upstream = pool.upstream
-        base = upstream.url.removesuffix("/v1")
-        payload = {
-            "model": body["model"],
-            "messages": body["messages"],
-            "add_generation_prompt": True,
-        }
-        if "tools" in body:
-            payload["tools"] = body["tools"]
-        headers = {b"content-type": [b"application/json"]}
-        place = await pool.hold_tokenizer(self.messages.clock)
-        if place is None:
-            return None
-        try:
-            response = await upstream.open(
-                "POST", base + "/tokenize", headers, json.dumps(payload).encode()
-            )
-            text = await upstream.read_limited(response, TOKENIZE_BODY_LIMIT)
-        except GatewayError:
-            return None
-        finally:
-            place.release()
-        if response.code != 200:
-            return None
-        try:
-            count = json.loads(text).get("count")
-        except (ValueError, AttributeError):
-            return None
-        return count if isinstance(count, int) and count >= 0 else None
 
     @app.route("/llm/v1/models", methods=["GET", "OPTIONS"])
     def list_models(self, request: IRequest) -> bytes:
         stop = self._light(request, protected=True)
         if stop is not None:
             return stop
-        data = [_model_entry(name) for name in self.models]
+        data = [
+            self._model_entry(name, model)
+            for name, model in self.models.items()
+            if "*" not in name  # a pattern is no model's id; GET one of its names instead
+        ]
         return send_json(
             request,
             200,
@@ -182,9 +150,30 @@ class GatewayApp:
         stop = self._light(request, protected=True)
         if stop is not None:
             return stop
-        if name not in self.models:
+        model = find_model(self.models, name)
+        if model is None:
             return send_error(request, GatewayError(404, f"model: {name!r} is not served here"))
-        return send_json(request, 200, _model_entry(name))
+        return send_json(request, 200, self._model_entry(name, model))
+
+    def _model_entry(self, name: str, model: ModelConfig) -> dict[str, Any]:
+        """Anthropic's Models API entry (with OpenAI's fields beside it, for OpenAI clients).
+
+        `max_input_tokens` is the model's window and `max_tokens` its output cap (the window
+        where none is configured); both are null where neither the upstream nor the config says.
+        """
+        created = datetime.fromisoformat(MODEL_CREATED_AT)
+        window = self.messages.context_window(model)
+        return {
+            "id": name,
+            "type": "model",
+            "display_name": name,
+            "created_at": MODEL_CREATED_AT,
+            "max_input_tokens": window,
+            "max_tokens": model.max_tokens or window,
+            "object": "model",
+            "created": int(created.replace(tzinfo=UTC).timestamp()),
+            "owned_by": "homelab-gateway",
+        }
 
     @app.route("/llm/v1/status", methods=["GET", "OPTIONS"])
     def status(self, request: IRequest) -> bytes:
@@ -225,15 +214,10 @@ class GatewayApp:
             anthropic=False,
         )
 
-
-def _model_entry(name: str) -> dict[str, Any]:
-    created = datetime.fromisoformat(MODEL_CREATED_AT)
-    return {
-        "id": name,
-        "type": "model",
-        "display_name": name,
-        "created_at": MODEL_CREATED_AT,
-        "object": "model",
-        "created": int(created.replace(tzinfo=UTC).timestamp()),
-        "owned_by": "homelab-gateway",
-    }
+    @app.handle_errors(NotFound)
+    def unroutable(self, request: IRequest, failure: Failure) -> bytes:
+        """A path even the catch-all cannot match (werkzeug's `path` converter stops at an
+        encoded newline) in the JSON shape, not werkzeug's HTML page."""
+        anthropic = request.path.startswith(b"/llm/")
+        error = GatewayError(404, "no route for this path")
+        return send_error(request, error, anthropic=anthropic)

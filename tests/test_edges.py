@@ -1,0 +1,236 @@
+"""What a hostile client or a careless operator found at the edges: numbers that are not
+JSON, model names that are not labels, paths and headers the router never expected, and
+connections that never say anything."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet import reactor
+from twisted.internet.protocol import ClientFactory, Protocol
+from twisted.logger import formatEvent, globalLogPublisher
+
+from homelab_gateway.telemetry import loggable
+from tests.helpers import RawResponse, chat, raw_request, wait_for
+from tests.test_llm import LLMSurface
+from tests.test_operations import metric
+from tests.test_proxy import async_test
+
+
+class NonFiniteNumbers(LLMSurface):
+    @async_test
+    async def test_a_number_that_overflows_to_infinity_is_refused(self) -> None:
+        for field in ('"temperature": 1e400', '"top_p": -1E+999'):
+            body = json.dumps(chat())[:-1] + f", {field}}}"
+            message = await self.error(body.encode(), 400, "invalid_request_error")
+            self.assertIn(field.split(": ")[1], message)
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_the_same_inside_count_tokens(self) -> None:
+        body = json.dumps(chat(stream=False))[:-1] + ', "temperature": 1e400}'
+        response = await self.post(body.encode(), "/llm/v1/messages/count_tokens")
+        self.assertEqual(response.status, 400, response.body_text())
+        self.assertIn("1e400", json.loads(response.body_text())["error"]["message"])
+
+
+class ModelNames(LLMSurface):
+    """A model name is the client's to choose: it must not become a metric label, nor reach a
+    log line whole or in a form the log file cannot encode."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.logged: list[dict[str, Any]] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "homelab_gateway.requests":
+                self.logged.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    async def scrape(self) -> str:
+        response = raw_request(self.port, "GET", "/metrics")
+        await response.closed
+        self.assertEqual(response.status, 200, response.body_text()[:300])
+        return response.body_text()
+
+    @async_test
+    async def test_a_lone_surrogate_cannot_break_metrics_or_the_log(self) -> None:
+        await self.error(chat(model="x\ud800\nforged line"), 404, "not_found_error")
+        text = await self.scrape()
+        self.assertEqual(
+            metric(text, "homelab_gateway_requests_total", outcome="bad_request", model="unknown"),
+            1,
+        )
+        self.assertNotIn("forged", text)
+        await wait_for(lambda: len(self.logged) == 1, 2.0, "the log event")
+        event = self.logged[0]
+        line = formatEvent(event)
+        line.encode("utf-8")  # what a text log file does with it
+        self.assertNotIn("\n", line)
+        self.assertEqual(event["model"], "x\\ud800\\nforged line")
+        json.dumps(event["model"], ensure_ascii=False).encode("utf-8")
+
+    @async_test
+    async def test_unknown_names_are_not_kept(self) -> None:
+        for i in range(20):
+            await self.post(chat(model=f"ghost-{i}-" + "m" * 5000))
+        text = await self.scrape()
+        self.assertNotIn("ghost", text)
+        self.assertLess(len(text), 20_000)
+        await wait_for(lambda: len(self.logged) == 20, 2.0, "the log events")
+        self.assertTrue(all(len(formatEvent(e)) < 1000 for e in self.logged))
+        served = await self.post(chat())
+        self.assertEqual(served.status, 200)
+        text = await self.scrape()
+        labels = {"upstream": "vllm", "surface": "messages", "model": "reasoning"}
+        self.assertEqual(metric(text, "homelab_gateway_requests_total", **labels), 1)
+
+
+def test_loggable_caps_and_escapes() -> None:
+    assert loggable("modèle-7b") == "modèle-7b"
+    assert loggable("a\x00b\u2028c\ud800") == "a\\x00b\\u2028c\\ud800"
+    assert loggable("x" * 500) == "x" * 200 + "..."
+
+
+@given(st.text(alphabet=st.characters(exclude_categories=()), max_size=400))
+def test_anything_loggable_is_one_encodable_bounded_line(text: str) -> None:
+    shown = loggable(text, limit=50)
+    shown.encode("utf-8")
+    assert shown.isprintable()
+    assert len(shown) <= 50 * len("\\U0010ffff") + len("...")
+    assert shown == text or len(text) > 50 or not text.isprintable()
+
+
+def connect(port: int, data: bytes = b"") -> RawResponse:
+    """A connection that sends exactly `data` (maybe nothing) and keeps listening."""
+    protocol = RawResponse()
+
+    class Factory(ClientFactory):
+        def buildProtocol(self, addr: Any) -> Protocol:
+            return protocol
+
+    protocol.connectionMade = lambda: protocol.transport.write(data)  # type: ignore[method-assign]
+    reactor.connectTCP("127.0.0.1", port, Factory())
+    return protocol
+
+
+class SilentConnections(LLMSurface):
+    """Twisted's idle timeout is 60 s whatever `request_timeout` says: a generous bound far
+    below that shows the gateway's own limit acted."""
+
+    gateway_overrides = {"server": {"request_timeout": 0.5}}
+
+    async def closed_soon(self, connection: RawResponse) -> None:
+        self.addCleanup(lambda: connection.transport and connection.transport.abortConnection())
+        await connection.closed.addTimeout(20, reactor)
+
+    @async_test
+    async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(self) -> None:
+        connection = connect(self.port)
+        await self.closed_soon(connection)
+        self.assertEqual(connection.raw, b"")
+
+    @async_test
+    async def test_an_idle_keep_alive_connection_is_closed_after_its_answer(self) -> None:
+        connection = connect(self.port, b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+        await connection.until(lambda: connection.raw.endswith(b"0\r\n\r\n"))
+        await self.closed_soon(connection)
+        self.assertEqual(connection.raw.count(b"HTTP/1.1 "), 1, connection.raw)
+        self.assertEqual(connection.status, 200)
+
+    @async_test
+    async def test_keep_alive_still_serves_the_next_request(self) -> None:
+        request = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"
+        connection = connect(self.port, request)
+        await connection.until(lambda: connection.raw.count(b"0\r\n\r\n") == 1)
+        connection.transport.write(request)
+        await connection.until(lambda: connection.raw.count(b"0\r\n\r\n") == 2)
+        await self.closed_soon(connection)
+        self.assertEqual(connection.raw.count(b"HTTP/1.1 200 OK"), 2)
+
+
+class Refusals(LLMSurface):
+    """What the wire and the router refuse still comes in the gateway's shape with an id."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.failures: list[dict[str, Any]] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_failure") is not None or event.get("isError"):
+                self.failures.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    async def get(self, path: str, **kw: Any) -> RawResponse:
+        response = raw_request(self.port, kw.pop("method", "GET"), path, **kw)
+        await response.closed
+        self.assertTrue((response.header("request-id") or "").startswith("req_"), path)
+        return response
+
+    def assert_json_error(self, response: RawResponse, status: int, anthropic: bool) -> str:
+        self.assertEqual(response.status, status, response.raw[:300])
+        self.assertEqual(response.header("content-type"), "application/json")
+        document = json.loads(response.body_text())
+        if anthropic:
+            self.assertEqual(document["type"], "error")
+        else:
+            self.assertEqual(document["error"]["code"], status)
+        return str(document["error"]["message"])
+
+    @async_test
+    async def test_one_header_line_over_16_kib_gets_431(self) -> None:
+        response = await self.get("/llm/v1/models", headers={"X-Big": "y" * 20_000})
+        self.assert_json_error(response, 431, anthropic=True)
+
+    @async_test
+    async def test_a_request_line_over_the_limit_gets_414(self) -> None:
+        response = await self.get("/openai/" + "a" * 20_000)
+        self.assert_json_error(response, 414, anthropic=False)
+
+    @async_test
+    async def test_a_malformed_request_gets_a_json_400(self) -> None:
+        connection = connect(self.port, b"NONSENSE\r\n\r\n")
+        await connection.closed
+        self.assert_json_error(connection, 400, anthropic=False)
+        self.assertTrue(connection.header("request-id").startswith("req_"))
+
+    @async_test
+    async def test_every_answer_has_a_request_id(self) -> None:
+        for path in ("/healthz", "/readyz", "/metrics", "/llm/v1/models", "/llm/v1/status"):
+            await self.get(path)
+        self.assertEqual((await self.get("/openai")).status, 308)
+        self.assert_json_error(await self.get("/nowhere"), 404, anthropic=False)
+        self.assert_json_error(await self.get("/llm/v1/nothing"), 404, anthropic=True)
+        self.assert_json_error(await self.get("/llm/v1/models/ghost"), 404, anthropic=True)
+
+    @async_test
+    async def test_an_encoded_newline_in_a_path_gets_a_json_404(self) -> None:
+        self.assert_json_error(await self.get("/openai/a%0ab"), 404, anthropic=False)
+        self.assert_json_error(await self.get("/llm/v1/models/a%0ab"), 404, anthropic=True)
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_a_non_utf8_escape_gets_a_json_400_and_no_traceback(self) -> None:
+        self.assert_json_error(await self.get("/openai/%ff"), 400, anthropic=False)
+        self.assert_json_error(await self.get("/llm/v1/models/%c3"), 400, anthropic=True)
+        connection = connect(self.port, b"GET /healthz HTTP/1.1\r\nHost: \xff\r\n\r\n")
+        await connection.until(lambda: connection.raw.endswith(b"\r\n0\r\n\r\n"))
+        connection.transport.loseConnection()
+        await connection.closed
+        self.assert_json_error(connection, 400, anthropic=False)
+        self.assertEqual(self.failures, [])
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_529_has_a_reason_phrase(self) -> None:
+        response = await self.post(chat(content="overloaded"))
+        self.assertEqual(response.status, 529)
+        self.assertTrue(response.head.startswith("HTTP/1.1 529 Site Overloaded\r\n"))
+        self.assertTrue(response.header("request-id").startswith("req_"))
