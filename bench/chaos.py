@@ -2,11 +2,14 @@
 
 `python -m bench.chaos` runs 2,000 requests (under two minutes) with `slots = 3` against a stub
 whose scenario each request picks at random (fail mid-stream, a non-JSON line, 500 before the
-stream, stall past the idle timeout, reset, truncate, abort, or a clean answer), while clients
-randomly hang up while queued, before the first token or mid-stream, or send malformed
-requests. At the end: no slot in use, nobody waiting, nothing in flight at the stub, every
-finished answer grammatical or an error in Anthropic shape, no unhandled error in the
-gateway's log, and /healthz still answering. tests/test_chaos.py runs a smaller one.
+stream, stall past the idle timeout, reset, truncate, abort, a body left open after [DONE], a
+500 whose body never ends, a line that never ends, a request read and then dropped, or a clean
+answer), while clients randomly hang up while queued, before the first token or mid-stream,
+or send malformed requests. At the end: no slot in use, nobody waiting, nothing in flight or
+held open at the stub, every finished answer grammatical or an error in Anthropic shape with
+no frame after `message_stop`, no endless body read past the gateway's limits, no request
+sent to the upstream twice, no unhandled error in the gateway's log, and /healthz still
+answering. tests/test_chaos.py runs a smaller one.
 
 Meanwhile the config is reloaded (SIGHUP) every `RELOAD_EVERY` seconds, cycling through fewer
 slots, an invalid file and the original: every answer must stay as valid as without reloads.
@@ -36,7 +39,7 @@ from bench.client import Result, get_json, request
 from tests.grammar import check_stream
 from tests.processes import Process, start_gateway, start_stub, wait_until
 
-GOOD = {"default": 4, "content-only": 2, "tool": 1}
+GOOD = {"default": 4, "content-only": 2, "tool": 1, "open-after-done": 1}
 BAD = {
     "fail": 1,
     "garbage": 1,
@@ -46,7 +49,13 @@ BAD = {
     "reset": 1,
     "abort": 1,
     "overloaded": 1,
+    "endless-error": 1,
+    "long-line": 1,
+    "hangup": 1,
 }
+# The most an endless body may send before the gateway closes it: its 4 MiB line limit (the
+# 64 KiB error-body limit for an error) plus what socket buffers hold on the way.
+ENDLESS_BOUND = 8 * 1024 * 1024
 BEHAVIOURS = {
     "read": 10,
     "cut-queued": 2,
@@ -136,6 +145,8 @@ def verdict(scenario: str, behaviour: str, result: Result) -> str | None:
             return f"a 200 that is not a complete message: {message}"
         return None if scenario in GOOD else f"{scenario} answered 200 without streaming"
     frames = [f.data for f in result.frames]
+    if "message_stop" in result.events and result.events[-1] != "message_stop":
+        return f"frames after message_stop: {result.events[-3:]}"
     try:
         ending = check_stream(frames)
     except AssertionError as e:
@@ -155,6 +166,7 @@ async def chaos(
     semaphore = asyncio.Semaphore(concurrency)
     problems: list[str] = []
     counts: Counter[str] = Counter()
+    sent: Counter[str] = Counter()
 
     async def one(i: int) -> None:
         scenario = pick(rng, {**GOOD, **BAD})
@@ -169,6 +181,8 @@ async def chaos(
             body = rng.choice(MALFORMED)
         elif not body["stream"] and behaviour.startswith("cut"):
             behaviour = "read"
+        if behaviour != "malformed":
+            sent[scenario] += 1
         async with semaphore:
             result = await request(
                 url + "/llm/v1/messages", body, cut=cut_policy(behaviour, rng), timeout=60
@@ -199,6 +213,7 @@ async def chaos(
         "seconds": round(time.monotonic() - started, 1),
         "problems": problems,
         "outcomes": dict(sorted(counts.items())),
+        "hangups_sent": sent["hangup"],
     }
 
 
@@ -209,7 +224,7 @@ def settle(gateway_url: str, stub_url: str, timeout: float = 15.0) -> dict[str, 
         gateway = get_json(gateway_url + "/llm/v1/status")["upstreams"]["vllm"]
         stub = get_json(stub_url.removesuffix("/v1") + "/stub/status")
         if (
-            gateway["in_use"] == gateway["waiting"] == stub["in_flight"] == 0
+            gateway["in_use"] == gateway["waiting"] == stub["in_flight"] == stub["held_open"] == 0
         ) or time.monotonic() > deadline:
             health = urllib.request.urlopen(gateway_url + "/healthz", timeout=5).status
             return {
@@ -218,6 +233,9 @@ def settle(gateway_url: str, stub_url: str, timeout: float = 15.0) -> dict[str, 
                 "stub_in_flight": stub["in_flight"],
                 "stub_requests": stub["requests"],
                 "stub_cancelled": stub["cancelled"],
+                "stub_held_open": stub["held_open"],
+                "stub_hangups": stub["hangups"],
+                "stub_endless_bytes": stub["endless_bytes"],
                 "healthz": health,
             }
         time.sleep(0.05)
@@ -256,11 +274,24 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
     report["exit_status"] = exit_status
     report["drain"] = drain_under_load(workdir / "drain")
     after, reloads = report["after"], report["reloads"]
+    if after["stub_hangups"] > report["hangups_sent"]:
+        report["problems"].append(
+            f"the upstream was sent {after['stub_hangups']} hangup requests for "
+            f"{report['hangups_sent']} sent to the gateway: some went twice"
+        )
+    if after["stub_endless_bytes"] > ENDLESS_BOUND:
+        report["problems"].append(
+            f"an endless body was read to {after['stub_endless_bytes']} bytes before it was cut"
+        )
     report["ok"] = (
         not report["problems"]
         and not report["unhandled_errors"]
         and (
-            after["slots_in_use"] == after["waiting"] == after["stub_in_flight"] == 0
+            after["slots_in_use"]
+            == after["waiting"]
+            == after["stub_in_flight"]
+            == after["stub_held_open"]
+            == 0
             and after["healthz"] == 200
         )
         and (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.chaos import run
+from bench.chaos import ENDLESS_BOUND, run
 
 
 def test_a_few_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:
@@ -14,6 +14,9 @@ def test_a_few_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:
     assert report["unhandled_errors"] == 0
     assert report["after"]["slots_in_use"] == 0 and report["after"]["waiting"] == 0
     assert report["after"]["stub_in_flight"] == 0 and report["after"]["healthz"] == 200
+    assert report["after"]["stub_held_open"] == 0, "a body left open after [DONE] stayed open"
+    assert report["after"]["stub_hangups"] <= report["hangups_sent"], "a request went twice"
+    assert 0 < report["after"]["stub_endless_bytes"] <= ENDLESS_BOUND
     reloads = report["reloads"]
     assert reloads["valid"] > 0 and reloads["invalid"] > 0, reloads
     assert (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])

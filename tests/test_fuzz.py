@@ -211,3 +211,65 @@ def check_answer(status: int, payload: bytes) -> None:
 def test_any_body_gets_a_2xx_or_an_anthropic_4xx(gateway: tuple[str, int], body: bytes) -> None:
     status, payload = post(gateway, body)
     check_answer(status, payload)
+
+
+@pytest.fixture(scope="module")
+def misbehaving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A gateway in front of a stub that breaks the rules when a prompt asks it to; pings
+    every 0.2 s so a stream left open after `message_stop` shows one."""
+    cwd: Path = tmp_path_factory.mktemp("misbehaving")
+    stub, stub_url = start_stub(cwd, "--content-tokens", "3", "--reasoning-tokens", "2")
+    process, url = start_gateway(
+        cwd, one_upstream_config(stub_url, slots=1, server="ping_interval = 0.2")
+    )
+    yield url, stub_url.removesuffix("/v1")
+    process.stop()
+    stub.stop()
+    assert "Unhandled" not in "".join(process.output)
+
+
+def get(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        connection.request("GET", parts.path)
+        return json.loads(connection.getresponse().read())
+    finally:
+        connection.close()
+
+
+MISBEHAVIOURS = ["open-after-done", "endless-error", "long-line", "hangup", "fail", "default"]
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(st.sampled_from(MISBEHAVIOURS), st.booleans(), st.integers(0, 10**6))
+def test_a_misbehaving_upstream_never_holds_a_slot_past_the_answer(
+    misbehaving: tuple[str, str], scenario: str, stream: bool, n: int
+) -> None:
+    """Whatever the upstream does (a body open after [DONE], an endless error body or line,
+    reading a request and hanging up), the client is answered well inside `idle_timeout`
+    (300 s; the client here gives up after 20), nothing follows `message_stop`, the slot is
+    free once the answer is in, and the upstream saw the request once."""
+    gateway_url, stub_url = misbehaving
+    body = {
+        "model": "reasoning",
+        "max_tokens": 16,
+        "stream": stream,
+        "messages": [{"role": "user", "content": f"{scenario} #{n}"}],
+    }
+    before = get(stub_url + "/stub/status")
+    parts = urlsplit(gateway_url)
+    status, payload = post(
+        (parts.hostname or "127.0.0.1", parts.port or 0), json.dumps(body).encode()
+    )
+    check_answer(status, payload)
+    names = [line[7:] for line in payload.split(b"\n") if line.startswith(b"event: ")]
+    if b"message_stop" in names:
+        assert names[-1] == b"message_stop", names[-3:]
+    assert get(gateway_url + "/llm/v1/status")["upstreams"]["vllm"]["in_use"] == 0
+    after = get(stub_url + "/stub/status")
+    assert after["requests"] - before["requests"] == 1, "the upstream was sent it twice"

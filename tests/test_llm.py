@@ -349,8 +349,8 @@ CANNED_SSE = (
 
 
 class ClosesConnections(Protocol):
-    """Closes the first `factory.closing` connections cleanly without a word, as a server
-    closing an idle keep-alive connection does; answers the rest."""
+    """Reads a request, then closes the first `factory.closing` connections cleanly without a
+    word (a server that crashed or restarted mid-request); answers the rest."""
 
     def dataReceived(self, data: bytes) -> None:
         self.factory.connections += 1
@@ -372,23 +372,16 @@ class StaleConnections(TestCase):
         return factory
 
     @async_test
-    async def test_a_connection_closed_before_answering_is_retried_once(self) -> None:
+    async def test_a_connection_closed_after_the_request_was_written_is_not_retried(
+        self,
+    ) -> None:
+        """The upstream may have read it (issue 10, item 9): sending it again could run a
+        generation twice. A brand-new connection is never stale."""
         factory = self.start(closing=1)
         response = raw_request(self.servers.gateway_port, "POST", "/llm/v1/messages", chat())
         await response.closed
-        self.assertEqual(response.status, 200)
-        self.assertEqual(
-            check_stream([d for _, d in response.frames()], allow_queue=False), "complete"
-        )
-        self.assertEqual(factory.connections, 2)
-
-    @async_test
-    async def test_but_only_once(self) -> None:
-        factory = self.start(closing=10)
-        response = raw_request(self.servers.gateway_port, "POST", "/llm/v1/messages", chat())
-        await response.closed
         self.assertEqual(response.status, 502)
-        self.assertEqual(factory.connections, 2)
+        self.assertEqual(factory.connections, 1)
 
 
 class PoolNeverCachesAClosingConnection(TestCase):

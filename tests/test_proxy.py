@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import select
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -10,11 +12,16 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
-from twisted.web.server import Site
+from twisted.web.server import NOT_DONE_YET, Site
 
+from homelab_gateway.pool import TOKENIZE_CONCURRENCY
 from homelab_gateway.proxy import escapes_prefix, forward_headers, response_headers
+from homelab_gateway.upstream import Upstream
+from tests.grammar import check_stream
 from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 
 
@@ -390,3 +397,237 @@ class Backpressure(TestCase):
     @async_test
     async def test_through_the_translator(self) -> None:
         await self.check("/llm/v1/messages", chat(content="content-only", max_tokens=10**6))
+
+
+class UpstreamMisbehaviour(TestCase):
+    """An upstream that breaks the rules in ways that used to pin a slot or run twice
+    (issue 10): each test ends within seconds where the old code waited `idle_timeout`."""
+
+    def setUp(self) -> None:
+        self.servers = Servers(self)
+        self.stub_url, self.stub, self.log = self.servers.stub()
+        self.servers.start_gateway(gateway_document(self.stub_url, server={"ping_interval": 0.1}))
+        self.port = self.servers.gateway_port
+        self.slots = self.servers.gateway.pools["vllm"].slots
+
+    async def answered(self, response: Any) -> None:
+        await wait_for(lambda: response.closed.called, 5.0, "the client to be answered")
+
+    async def connection_closed(self) -> None:
+        stub_side = self.servers.factories[0].protocols
+        await wait_for(lambda: not stub_side, 5.0, "the gateway to close the open body")
+
+    async def upstream_closed(self) -> None:
+        await wait_for(lambda: self.stub.stats.in_flight == 0, 5.0, "the upstream to be closed")
+        await wait_for(lambda: self.slots.in_use == 0, 2.0, "the slot")
+
+    @async_test
+    async def test_done_ends_a_stream_whose_body_stays_open(self) -> None:
+        response = raw_request(
+            self.port, "POST", "/llm/v1/messages", chat(content="open-after-done")
+        )
+        await self.answered(response)
+        frames = [d for _, d in response.frames()]
+        self.assertEqual(check_stream(frames, allow_queue=False), "complete")
+        self.assertEqual(response.events()[-1], "message_stop", "no ping after message_stop")
+        self.assertEqual(self.slots.in_use, 0)
+        await self.connection_closed()
+        await self.upstream_closed()
+
+    @async_test
+    async def test_done_answers_a_non_streaming_client_at_once(self) -> None:
+        body = chat(content="open-after-done", stream=False)
+        response = raw_request(self.port, "POST", "/llm/v1/messages", body)
+        await self.answered(response)
+        self.assertEqual(response.status, 200)
+        self.assertEqual(json.loads(response.body_text())["stop_reason"], "end_turn")
+        await self.connection_closed()
+        await self.upstream_closed()
+
+    @async_test
+    async def test_an_endless_error_body_is_cut_and_the_client_answered(self) -> None:
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="endless-error"))
+        await self.answered(response)
+        self.assertGreaterEqual(response.status, 500)
+        self.assertEqual(json.loads(response.body_text())["type"], "error")
+        await self.upstream_closed()
+
+    @async_test
+    async def test_an_endless_line_fails_the_stream_with_an_error_frame(self) -> None:
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="long-line"))
+        await self.answered(response)
+        frames = [d for _, d in response.frames()]
+        self.assertEqual(check_stream(frames, allow_queue=False), "error")
+        self.assertIn("exceeded", frames[-1]["error"]["message"])
+        await self.upstream_closed()
+
+    @async_test
+    async def test_a_request_the_upstream_read_then_dropped_is_not_sent_again(self) -> None:
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="hangup"))
+        await self.answered(response)
+        self.assertEqual(response.status, 502)
+        self.assertEqual(self.stub.stats.requests, 1, "the upstream counted it twice")
+
+    @async_test
+    async def test_a_passthrough_post_the_upstream_read_then_dropped_is_not_sent_again(
+        self,
+    ) -> None:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hangup"}]}
+        response = raw_request(self.port, "POST", "/openai/chat/completions", body)
+        await self.answered(response)
+        self.assertEqual(response.status, 502)
+        self.assertEqual(self.stub.stats.requests, 1, "the upstream counted it twice")
+
+
+class CountsRequests(Resource):
+    """Answers every POST with a canned complete stream and counts what it was sent."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def render_POST(self, request: Any) -> bytes:
+        self.requests += 1
+        request.setHeader(b"content-type", b"text/event-stream")
+        return b'data: {"choices":[]}\n\ndata: [DONE]\n\n'
+
+
+class StalePooledConnection(TestCase):
+    @async_test
+    async def test_an_idle_connection_the_upstream_closed_is_not_written_to(self) -> None:
+        """The upstream's close has arrived but the reactor has not read it yet: the request
+        must go on a new connection. Open no longer resends what may have been written (issue
+        10, item 9), so without the check before the write this request would fail."""
+        servers = Servers(self)
+        counter = CountsRequests()
+        port = servers.listen(Site(counter))
+        servers.start_gateway(gateway_document(f"http://127.0.0.1:{port}/v1"))
+        upstream = servers.gateway.pools["vllm"].upstream
+        pool = servers.gateway.http_pool
+
+        async def post() -> bytes:
+            headers = {b"content-type": [b"application/json"]}
+            response = await upstream.open(
+                "POST", upstream.url + "/chat/completions", headers, b"{}"
+            )
+            return await upstream.read_limited(response)
+
+        await post()
+        await wait_for(lambda: any(pool._connections.values()), 2.0, "the connection to be pooled")
+        [server_side] = servers.factories[0].protocols
+        server_side.transport.getHandle().shutdown(socket.SHUT_WR)  # its close, on the wire now
+        [cached] = next(c for c in pool._connections.values() if c)
+        readable, _, _ = select.select([cached.transport.getHandle()], [], [], 5.0)
+        self.assertTrue(readable, "the close did not arrive")
+        second = Deferred.fromCoroutine(post())  # written before the reactor can read the close
+        self.assertIn(b"[DONE]", await second)
+        self.assertEqual(counter.requests, 2)
+
+
+class IdleTimerAndBackpressure(TestCase):
+    def test_the_idle_timer_does_not_run_while_the_gateway_pauses_the_upstream(self) -> None:
+        """A slow client pauses the upstream; its silence then is not the upstream's fault
+        (issue 10, item 10)."""
+        clock = Clock()
+        upstream = Upstream(
+            name="vllm", url="", http=None, clock=clock, connect_timeout=1, idle_timeout=5
+        )
+        producers: list[Any] = []
+        transport = StringTransport()
+
+        class Response:
+            def deliverBody(self, protocol: Protocol) -> None:
+                protocol.makeConnection(transport)
+
+        done = upstream.stream(Response(), lambda data: None, producers.append)  # type: ignore[arg-type]
+        failures: list[Any] = []
+        done.addErrback(failures.append)
+        self.addCleanup(done.cancel)
+        [producer] = producers
+        producer.pauseProducing()
+        self.assertEqual(transport.producerState, "paused")
+        clock.advance(60)
+        self.assertEqual(failures, [], "the upstream was blamed for the gateway's own pause")
+        producer.resumeProducing()
+        self.assertEqual(transport.producerState, "producing")
+        clock.advance(5)
+        self.assertEqual(transport.producerState, "stopped", "silent while producing: cut")
+
+
+class HoldsTokenize(Resource):
+    """A /tokenize that answers only when told, counting how many it holds at once."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Any] = []
+        self.most = 0
+
+    def render_POST(self, request: Any) -> Any:
+        self.held.append(request)
+        self.most = max(self.most, len(self.held))
+        return NOT_DONE_YET
+
+    def answer_all(self) -> None:
+        held, self.held = self.held, []
+        for request in held:
+            request.write(
+                json.dumps({"count": 7, "max_model_len": 100, "tokens": [1] * 7}).encode()
+            )
+            request.finish()
+
+
+class CountTokensCap(TestCase):
+    @async_test
+    async def test_a_burst_of_count_tokens_is_capped_per_upstream(self) -> None:
+        """100 count_tokens with slots = 2 opened 100 /tokenize requests (issue 10, item 5)."""
+        servers = Servers(self)
+        tokenizer = HoldsTokenize()
+        port = servers.listen(Site(tokenizer))
+        servers.start_gateway(gateway_document(f"http://127.0.0.1:{port}/v1"))
+        pool = servers.gateway.pools["vllm"]
+        body = chat(stream=False)
+        responses = [
+            raw_request(servers.gateway_port, "POST", "/llm/v1/messages/count_tokens", body)
+            for _ in range(10)
+        ]
+        await wait_for(lambda: len(pool.tokenizer.waiting) == 10 - TOKENIZE_CONCURRENCY, 5.0)
+        await wait_for(lambda: len(tokenizer.held) == TOKENIZE_CONCURRENCY, 5.0)
+        self.assertEqual(pool.slots.in_use, 0, "a count takes no generation slot")
+        while any(not r.closed.called for r in responses):
+            tokenizer.answer_all()
+            await wait_for(lambda: tokenizer.held or all(r.closed.called for r in responses))
+        self.assertEqual(tokenizer.most, TOKENIZE_CONCURRENCY)
+        for response in responses:
+            self.assertEqual(json.loads(response.body_text()), {"input_tokens": 7})
+
+
+class ErrorBodyBounds(TestCase):
+    def test_an_error_body_trickling_forever_is_given_up_after_connect_timeout(self) -> None:
+        """Under the size limit but never ending: the time bound answers the client (issue 10,
+        item 4); the idle timer alone would wait forever for a byte every few seconds."""
+        clock = Clock()
+        upstream = Upstream(
+            name="vllm", url="", http=None, clock=clock, connect_timeout=5, idle_timeout=300
+        )
+        transport = StringTransport()
+        protocols: list[Protocol] = []
+
+        class Response:
+            def deliverBody(self, protocol: Protocol) -> None:
+                protocols.append(protocol)
+                protocol.makeConnection(transport)
+
+        body = Deferred.fromCoroutine(upstream.read_limited(Response()))  # type: ignore[arg-type]
+        got: list[bytes] = []
+        body.addCallback(got.append)
+        for _ in range(4):
+            protocols[0].dataReceived(b'{"error"')
+            clock.advance(1)
+        self.assertEqual(got, [])
+        clock.advance(1)
+        self.assertEqual(got, [b'{"error"' * 4])
+        self.assertEqual(transport.producerState, "stopped", "the connection is closed")

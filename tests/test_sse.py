@@ -7,7 +7,13 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from homelab_gateway.sse import ServerSentEvent, SSEParser, encode_event
+from homelab_gateway.sse import (
+    MAX_EVENT_BYTES,
+    EventTooLarge,
+    ServerSentEvent,
+    SSEParser,
+    encode_event,
+)
 
 
 def parse_all(chunks: list[bytes]) -> list[ServerSentEvent]:
@@ -112,3 +118,106 @@ def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
 
     for position in (1, 7, 12345):
         assert QUEUE_FRAME % position == encode_event({"type": "queue", "position": position})
+
+
+def test_a_line_without_end_is_refused_past_the_limit() -> None:
+    parser = SSEParser(limit=100)
+    assert parser.feed(b"data: ok\n\ndata: " + b"x" * 50) == [ServerSentEvent("ok")]
+    try:
+        parser.feed(b"x" * 60)
+    except EventTooLarge as e:
+        assert e.events == []
+    else:
+        raise AssertionError("a 116-byte line passed a 100-byte limit")
+
+
+def test_the_events_before_an_overlong_line_in_the_same_read_are_kept() -> None:
+    parser = SSEParser(limit=100)
+    try:
+        parser.feed(b"data: a\n\ndata: b\n\ndata: " + b"y" * 200 + b"\n\n")
+    except EventTooLarge as e:
+        assert e.events == [ServerSentEvent("a"), ServerSentEvent("b")]
+    else:
+        raise AssertionError("a 206-byte line passed a 100-byte limit")
+
+
+def test_many_data_lines_are_bounded_as_one_event() -> None:
+    parser = SSEParser(limit=100)
+    try:
+        for _ in range(30):
+            parser.feed(b"data: 0123456789\n")
+    except EventTooLarge:
+        pass
+    else:
+        raise AssertionError("300 bytes of one event's data passed a 100-byte limit")
+
+
+def test_the_default_limit_is_a_few_megabytes() -> None:
+    assert 1024 * 1024 <= MAX_EVENT_BYTES <= 8 * 1024 * 1024
+
+
+def test_a_long_line_in_small_reads_is_buffered_in_linear_time() -> None:
+    """1 MB in 1-byte reads: quadratic re-copying would move ~500 GB; a list of reads moves
+    each byte once. Counted in bytes copied, not seconds, so a busy machine cannot fail it."""
+    copied = 0
+
+    class Counting(bytes):
+        def __add__(self, other: bytes) -> bytes:  # what a concatenating buffer would do
+            nonlocal copied
+            copied += len(self) + len(other)
+            return bytes.__add__(self, other)
+
+        def __radd__(self, other: bytes) -> bytes:
+            nonlocal copied
+            copied += len(self) + len(other)
+            return other.__add__(self)
+
+    parser = SSEParser()
+    parser.feed(b"data: ")
+    for _ in range(20_000):
+        parser.feed(Counting(b"x" * 50))
+    assert copied == 0
+    assert parser.feed(b"\n\n") == [ServerSentEvent("x" * 1_000_000)]
+
+
+@given(
+    st.binary(max_size=300),
+    st.integers(1, 120),
+    st.lists(st.integers(0, 300), max_size=8),
+)
+def test_the_limit_fails_the_same_wherever_the_stream_is_split(
+    blob: bytes, limit: int, cuts: list[int]
+) -> None:
+    """Split anywhere, the stream either parses to the same events as in one read, or is
+    refused; and a refusal never comes before the line that overflowed could have completed."""
+    points = sorted(c for c in cuts if c <= len(blob))
+    chunks = [blob[a:b] for a, b in zip([0, *points], [*points, len(blob)], strict=True)]
+    whole = SSEParser(limit=limit * 4)
+    split = SSEParser(limit=limit * 4)
+    try:
+        expected = whole.feed(blob)
+    except EventTooLarge:
+        expected = None
+    got: list[ServerSentEvent] = []
+    try:
+        for chunk in chunks:
+            got.extend(split.feed(chunk))
+    except EventTooLarge as e:
+        got.extend(e.events)
+        if expected is not None:
+            # Refused in pieces but not at once: only an unended tail can do that.
+            assert got == expected[: len(got)]
+            return
+    if expected is not None:
+        assert got == expected
+
+
+def test_an_overlong_upstream_line_fails_the_stream_with_an_error_event() -> None:
+    from homelab_gateway.translator import StreamTranslator, UpstreamDecoder
+
+    decoder = UpstreamDecoder(StreamTranslator(model="m", input_tokens=1))
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    events = decoder.feed(first + b"data: " + b"x" * (MAX_EVENT_BYTES + 1))
+    assert [e["type"] for e in events][-1] == "error"
+    assert "content_block_delta" in [e["type"] for e in events]
+    assert decoder.feed(b"more\n\n") == []

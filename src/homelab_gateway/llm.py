@@ -47,8 +47,12 @@ from homelab_gateway.translator import (
     UpstreamDecoder,
     error_event,
 )
-from homelab_gateway.upstream import Backpressure, UpstreamBroken
+from homelab_gateway.upstream import AnswerComplete, Backpressure, UpstreamBroken
 
+TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
+"""vLLM's /tokenize answer lists every token id (about 7 bytes each): 8 MiB covers a
+million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
+short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
@@ -114,6 +118,10 @@ class EventStream:
         self._timer = None
 
 
+class _TranslationOver(Exception):
+    """The translator failed the stream: stop reading the upstream and close it at once."""
+
+
 def _no_constant(name: str) -> Any:
     """NaN and Infinity are not JSON; Python accepts them, and would send them upstream."""
     raise ValueError(f"{name} is not a JSON number")
@@ -125,10 +133,6 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"the number {text[:40]} is out of range")
     return value
-
-
-class _TranslationOver(Exception):
-    """The translator has said its last word; stop reading the upstream."""
 
 
 class Messages:
@@ -158,7 +162,8 @@ class Messages:
 
     async def tokenize(self, pool: Pool, body: Mapping[str, Any]) -> tuple[int | None, int | None]:
         """vLLM's exact prompt count and window from its /tokenize (beside /v1): (None, None)
-        where there is no such endpoint (llama.cpp's takes other fields, Ollama has none)."""
+        where there is no such endpoint (llama.cpp's takes other fields, Ollama has none), or
+        when no tokenizer place came free within `connect_timeout` (see pool.hold_tokenizer)."""
         upstream = pool.upstream
         base = upstream.url.removesuffix("/v1")
         payload = {
@@ -169,13 +174,18 @@ class Messages:
         if "tools" in body:
             payload["tools"] = body["tools"]
         headers = {b"content-type": [b"application/json"]}
+        place = await pool.hold_tokenizer(self.clock)
+        if place is None:
+            return None, None
         try:
             response = await upstream.open(
                 "POST", base + "/tokenize", headers, json.dumps(payload).encode()
             )
-            text = await upstream.read_limited(response)
+            text = await upstream.read_limited(response, TOKENIZE_BODY_LIMIT)
         except GatewayError:
             return None, None
+        finally:
+            place.release()
         if response.code != 200:
             return None, None
         try:
@@ -366,6 +376,10 @@ class Messages:
 
         def on_data(data: bytes) -> None:
             deliver(decoder.feed(data))
+            if translator.phase is Phase.DONE:
+                # `[DONE]` (vLLM, Ollama and llama.cpp all send it, after the finish chunk and
+                # the usage chunk): the answer is over, whatever the body does next.
+                raise AnswerComplete()
             if translator.phase is Phase.FAILED:
                 raise _TranslationOver()
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from twisted.internet.defer import DeferredSemaphore
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
 
@@ -23,6 +24,11 @@ QUEUE_FULL_RETRY_AFTER = 5
 # vLLM's `priority` request field: lower is served earlier, 0 is its default (and what requests
 # that bypass the gateway get), so `normal` maps to 0.
 VLLM_PRIORITY = {"interactive": -1, "normal": 0, "batch": 1}
+TOKENIZE_CONCURRENCY = 4
+"""At most this many `/tokenize` requests in flight per upstream (count_tokens). Tokenizing
+runs in vLLM's API server, not its engine, so it takes no generation slot (a count must not
+wait minutes behind generations); but it is still bounded, so a burst of count_tokens cannot
+open a connection each."""
 
 
 @dataclass
@@ -32,6 +38,9 @@ class Pool:
     queue_timeout: float
     continuous_usage_stats: bool = True
     forward_priority: bool = False
+    tokenizer: DeferredSemaphore = field(
+        default_factory=lambda: DeferredSemaphore(TOKENIZE_CONCURRENCY)
+    )
 
     async def hold_slot(
         self,
@@ -96,3 +105,13 @@ class Pool:
         if not self.forward_priority or record.served_as is None:
             return {}
         return {"priority": VLLM_PRIORITY[record.served_as]}
+
+    async def hold_tokenizer(self, clock: IReactorTime) -> DeferredSemaphore | None:
+        """One of the upstream's TOKENIZE_CONCURRENCY places (FIFO), or None after waiting
+        `connect_timeout`: the caller then answers with its estimate. The caller releases."""
+        d = self.tokenizer.acquire()
+        d.addTimeout(self.upstream.connect_timeout, clock)
+        try:
+            return await d
+        except DeferredTimeout:
+            return None

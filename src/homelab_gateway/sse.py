@@ -2,6 +2,10 @@
 
 `SSEParser` follows the WHATWG event-stream grammar: bytes go in as they come off the socket
 (split anywhere, `\\r\\n`, `\\n` or `\\r` line ends, comment lines) and complete events come out.
+A line, and an event's data, are bounded by `MAX_EVENT_BYTES`: an upstream that never ends its
+line would otherwise grow the buffer without limit. The partial line is kept as a list of reads
+and joined once, when its line end arrives, so buffering stays linear in the bytes received.
+
 `encode_event` writes the one frame shape this gateway ever sends: an `event:` line and a single
 `data:` line of compact JSON whose `type` names the event, because real Anthropic SDKs drop bare
 `data:` frames and die on non-JSON data.
@@ -14,12 +18,28 @@ from typing import Any
 
 import orjson
 
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""The longest line, and the most data one event may gather. Real chunks are a few hundred
+bytes; the largest legitimate ones (a whole tool call at once from llama.cpp, a long answer in
+one non-incremental chunk) are far below this."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSentEvent:
     data: str
     event: str = "message"
     id: str | None = None
+
+
+class EventTooLarge(ValueError):
+    """A line or an event's data passed `MAX_EVENT_BYTES`: the stream cannot be parsed on.
+
+    `events` holds what the same `feed` completed before the overflow, in order.
+    """
+
+    def __init__(self, limit: int, events: list[ServerSentEvent]) -> None:
+        super().__init__(f"an event-stream line or event exceeded {limit} bytes")
+        self.events = events
 
 
 class SSEParser:
@@ -29,15 +49,19 @@ class SSEParser:
     and decoded one at a time with replacement, as the spec asks.
     """
 
-    def __init__(self) -> None:
-        self._partial = b""
+    def __init__(self, limit: int = MAX_EVENT_BYTES) -> None:
+        self._limit = limit
+        self._partial: list[bytes] = []  # the reads holding the line not yet ended
+        self._partial_size = 0
         self._after_cr = False
         self._started = False
         self._data: list[str] = []
+        self._data_size = 0
         self._event = ""
         self._id: str | None = None
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
+        """The events `chunk` completes; raises EventTooLarge past the limit."""
         if self._after_cr:
             self._after_cr = False
             if chunk[:1] == b"\n":
@@ -48,16 +72,36 @@ class SSEParser:
             # The common read: whole LF-terminated lines (vLLM, Ollama, llama.cpp send these).
             lines = chunk.split(b"\n")
             lines.pop()
-            return [event for event in map(self._line, lines) if event is not None]
+            return self._lines(lines)
+        if b"\n" not in chunk and b"\r" not in chunk:
+            self._partial_size += len(chunk)
+            if self._partial_size > self._limit:
+                raise EventTooLarge(self._limit, [])
+            self._partial.append(chunk)
+            return []
         self._after_cr = chunk.endswith(b"\r")
-        lines = (self._partial + chunk).splitlines(keepends=True)
-        if lines and not lines[-1].endswith((b"\n", b"\r")):
-            self._partial = lines.pop()
+        if self._partial:
+            self._partial.append(chunk)
+            chunk = b"".join(self._partial)
+        lines = chunk.splitlines()
+        if chunk.endswith((b"\n", b"\r")):
+            self._partial, self._partial_size = [], 0
         else:
-            self._partial = b""
+            rest = lines.pop()
+            self._partial, self._partial_size = [rest], len(rest)
+        events = self._lines(lines)
+        if self._partial_size > self._limit:
+            raise EventTooLarge(self._limit, events)
+        return events
+
+    def _lines(self, lines: list[bytes]) -> list[ServerSentEvent]:
         events: list[ServerSentEvent] = []
         for raw in lines:
-            event = self._line(raw.rstrip(b"\r\n"))
+            try:
+                event = self._line(raw)
+            except EventTooLarge as e:
+                e.events = events
+                raise
             if event is not None:
                 events.append(event)
         return events
@@ -76,6 +120,9 @@ class SSEParser:
             value = value[1:]
         field = name.decode("utf-8", "replace")
         if field == "data":
+            self._data_size += len(value) + 1
+            if len(raw) > self._limit or self._data_size > self._limit:
+                raise EventTooLarge(self._limit, [])
             self._data.append(value.decode("utf-8", "replace"))
         elif field == "event":
             self._event = value.decode("utf-8", "replace")
@@ -85,7 +132,7 @@ class SSEParser:
 
     def _dispatch(self) -> ServerSentEvent | None:
         data, event = self._data, self._event
-        self._data, self._event = [], ""
+        self._data, self._event, self._data_size = [], "", 0
         if not data:
             return None
         return ServerSentEvent(data="\n".join(data), event=event or "message", id=self._id)

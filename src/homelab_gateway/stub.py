@@ -8,7 +8,8 @@ chunk, a non-standard `stop_reason`, usage on every chunk with `continuous_usage
 after `hold` seconds, like a prefill.
 
 A word in the last user message picks a scenario (see SCENARIOS). The log gets a line when a
-request starts, when it completes and, the moment the client leaves early, `cancelled`.
+request starts, when it completes (when `[DONE]` is written, as vLLM's engine is done by then),
+on a `hangup` and, the moment the client leaves early, `cancelled`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from twisted.python import usage
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+ENDLESS_CAP = 32 * 1024 * 1024
+"""What "never ends" means for endless-error and long-line: past any sane gateway's limit, yet
+a broken gateway reading it all cannot take the machine down; after it, silence."""
 REASONING_TEXT = "The user wants a short friendly answer so I will greet them and keep it brief"
 CONTENT_TEXT = "Hello! I am a stub model answering from the homelab gateway test upstream."
 TOOL_ARGUMENTS = ['{"city', '": "', "Par", 'is", "unit', '": "c', 'elsius"}']
@@ -49,6 +53,10 @@ SCENARIOS = {
     "error500": "HTTP 500 before the stream",
     "error400": "HTTP 400 (prompt too long) before the stream",
     "overloaded": "HTTP 503 before the stream",
+    "open-after-done": "the whole answer and [DONE], then the body stays open",
+    "endless-error": "HTTP 500 whose body never ends (32 MiB, then silence)",
+    "long-line": "a few tokens, then a data line that never ends (32 MiB, then silence)",
+    "hangup": "reads the request, then closes the connection without answering",
 }
 
 
@@ -77,6 +85,9 @@ class StubStats:
     completed: int = 0
     cancelled: int = 0
     paused: int = 0  # times a client's full send buffer paused a generation (backpressure)
+    hangups: int = 0  # requests read and then dropped unanswered (scenario hangup)
+    held_open: int = 0  # bodies open right now after their [DONE] (scenario open-after-done)
+    endless_bytes: int = 0  # the most an endless-error/long-line body sent before it was cut
     models: dict[str, int] = field(default_factory=dict)
 
 
@@ -168,6 +179,8 @@ class _Generation:
         self._call: IDelayedCall | None = None
         self._paused = False
         self._done = False
+        self._held_open = False
+        self.sent = 0
         options = body.get("stream_options") or {}
         self.include_usage = bool(options.get("include_usage"))
         self.continuous = bool(options.get("continuous_usage_stats"))
@@ -177,7 +190,7 @@ class _Generation:
 
     def _plan(self) -> Iterator[bytes | str]:
         """Yields SSE payloads (bytes, already framed) or control words: 'reset', 'truncate',
-        'stall'."""
+        'stall', 'hold-open' (after [DONE]: leave the body open)."""
         settings = self.stub.settings
         max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens") or 10**9
         scenario = self.scenario
@@ -189,7 +202,11 @@ class _Generation:
             content_n = 2000
         if scenario == "reasoning-only":
             reasoning_n, content_n = 10**9, 0
-        if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort"):
+        if scenario == "endless-error":
+            yield b'{"error": {"message": "stub: '
+            yield from _endless(16384)
+            return
+        if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort", "long-line"):
             reasoning_n, content_n = min(reasoning_n, 2), 2
 
         yield self._chunk({"role": "assistant", "content": ""})
@@ -210,10 +227,14 @@ class _Generation:
                 "code": 500,
             }
             yield _frame({"error": error})
-            yield _frame("[DONE]")
+            yield DONE_FRAME
             return
         if scenario == "garbage":
             yield b"data: {this is not json\n\n"
+            return
+        if scenario == "long-line":
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "'
+            yield from _endless(65536)
             return
         if scenario in ("reset", "truncate", "stall"):
             yield scenario
@@ -233,7 +254,9 @@ class _Generation:
         yield self._chunk({"content": ""}, finish=finish, stop_reason=stop_reason)
         if self.include_usage:
             yield _frame(self._envelope([], usage=True))
-        yield _frame("[DONE]")
+        yield DONE_FRAME
+        if scenario == "open-after-done":
+            yield "hold-open"
 
     def _tool_calls(self, count: int) -> Iterator[bytes]:
         tools = self.body.get("tools") or []
@@ -310,8 +333,8 @@ class _Generation:
 
     # -- sending it --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.request.setHeader(b"content-type", b"text/event-stream")
+    def start(self, content_type: bytes = b"text/event-stream") -> None:
+        self.request.setHeader(b"content-type", content_type)
         self.request.setHeader(b"cache-control", b"no-cache")
         self.request.write(b"")  # headers now, like vLLM; tokens after the prefill
         self.request.registerProducer(self, True)
@@ -342,6 +365,18 @@ class _Generation:
             return  # nothing more until the client gives up
         assert isinstance(chunk, bytes)
         self.request.write(chunk)
+        self.sent += len(chunk)
+        if chunk == DONE_FRAME:
+            # vLLM's engine has finished the sequence before it yields [DONE]: the generation
+            # is over here, and the body's end follows at once (unless the scenario holds it).
+            self._finish("complete", finish=self.finish_reason, tokens=self.completion_tokens)
+            if next(self._chunks, None) == "hold-open":
+                self._held_open = True
+                self.stub.stats.held_open += 1
+            else:
+                self.request.unregisterProducer()
+                self.request.finish()
+            return
         self._schedule(self.stub.settings.delay)
 
     def _finish(self, event: str, **fields: Any) -> None:
@@ -353,6 +388,12 @@ class _Generation:
 
     def client_left(self, reason: Any) -> None:
         self._cancel_call()
+        stats = self.stub.stats
+        if self._held_open:
+            self._held_open = False
+            stats.held_open -= 1
+        if self.scenario in ("endless-error", "long-line"):
+            stats.endless_bytes = max(stats.endless_bytes, self.sent)
         if not self._done:
             self.stub.stats.cancelled += 1
             self._finish("cancelled")
@@ -384,6 +425,8 @@ class _Generation:
         for chunk in self._chunks:
             if not isinstance(chunk, bytes) or not chunk.startswith(b"data: {"):
                 continue
+            if not chunk.endswith(b"\n\n"):
+                break  # a line that never ends (long-line): answer with what came before it
             document = json.loads(chunk[6:])
             if "error" in document:
                 raise _HTTPError(500, document["error"]["message"])
@@ -424,6 +467,15 @@ class _Generation:
             ),
         }
         return json.dumps(completion).encode()
+
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def _endless(size: int) -> Iterator[bytes | str]:
+    for _ in range(ENDLESS_CAP // size):
+        yield b"x" * size
+    yield "stall"
 
 
 class _HTTPError(Exception):
@@ -565,9 +617,18 @@ class StubResource(Resource):
             self.log.write("refused", request_id, status=refusal[0])
             request.setResponseCode(refusal[0])
             return _error_body(*refusal)
+        if generation.scenario == "hangup":
+            stats.hangups += 1
+            self.log.write("hangup", request_id)
+            request.channel.transport.loseConnection()
+            return NOT_DONE_YET
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
         request.notifyFinish().addErrback(generation.client_left)
+        if generation.scenario == "endless-error":
+            request.setResponseCode(500)
+            generation.start(b"application/json")
+            return NOT_DONE_YET
         if body.get("stream"):
             generation.start()
             return NOT_DONE_YET
@@ -620,7 +681,7 @@ class Options(usage.Options):
         ["content-tokens", None, 8, "Content tokens per answer", int],
         ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
         ["max-model-len", None, None, "Context window, enforced as vLLM's", int],
-        ["log", None, None, "Append a line per request start, completion and cancellation"],
+        ["log", None, None, "Append a line per request start, completion, cancellation, hangup"],
     ]
 
     def __init__(self) -> None:

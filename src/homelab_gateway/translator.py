@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from homelab_gateway.sse import SSEParser
+from homelab_gateway.sse import EventTooLarge, SSEParser
 
 Event = dict[str, Any]
 
@@ -416,7 +416,11 @@ class UpstreamDecoder:
 
     def feed(self, data: bytes) -> list[Event]:
         events: list[Event] = []
-        for sse in self._parser.feed(data):
+        try:
+            parsed, too_large = self._parser.feed(data), None
+        except EventTooLarge as e:
+            parsed, too_large = e.events, e
+        for sse in parsed:
             if self.translator.terminated:
                 break
             if sse.data == "[DONE]":
@@ -428,6 +432,8 @@ class UpstreamDecoder:
                 events += self.translator.fail("api_error", "upstream sent a line that is not JSON")
             else:
                 events += self.translator.feed(chunk)
+        if too_large is not None:
+            events += self.translator.fail("api_error", f"upstream sent {too_large}")
         return events
 
     def eof(self, upstream: str) -> list[Event]:

@@ -4,13 +4,14 @@
 `_BodyStream`, a protocol of ours: its Deferred's canceller stops the upstream transport (the
 socket closes, and vLLM frees the sequence), its idle timer runs on the injected clock, and its
 transport can be registered as the producer behind the client's response so a slow reader
-pauses the upstream instead of growing a buffer in the gateway.
+pauses the upstream instead of growing a buffer in the gateway; while it is paused that way the
+idle timer stops, since the silence is the gateway's own doing.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
-from contextlib import suppress
 from http.cookiejar import DefaultCookiePolicy
 from typing import Any
 
@@ -18,17 +19,14 @@ from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (
     HTTPConnectionPool,
     RequestNotSent,
-    RequestTransmissionFailed,
     ResponseDone,
     ResponseFailed,
-    ResponseNeverReceived,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -38,10 +36,26 @@ from zope.interface import implementer
 from homelab_gateway.errors import GatewayError
 
 ERROR_BODY_LIMIT = 64 * 1024
+LINGER_AFTER_END = 1.0
+"""Seconds a body may take to end after the answer is complete (`[DONE]`) before its connection
+is closed. A server ends the body right after `[DONE]`, often in a later read; waiting that long
+keeps the connection for reuse, while a body left open can never hold a slot."""
 
 
 class UpstreamBroken(Exception):
     """The upstream's response body ended abnormally (reset, idle timeout, bad framing)."""
+
+
+class AnswerComplete(Exception):
+    """Raised by an `on_data` callback: the answer is whole, whatever the body still sends.
+
+    `Upstream.stream` then fires at once; the body gets `LINGER_AFTER_END` to end cleanly (its
+    connection goes back to the pool) and is closed after that.
+    """
+
+
+class _Enough(Exception):
+    """An error body reached its limit: stop reading it."""
 
 
 @implementer(IBodyProducer)
@@ -134,7 +148,11 @@ class Upstream:
     ) -> IResponse:
         """Send the request; return the response once its headers are in.
 
-        Cancelling the caller's Deferred while this waits aborts the connection.
+        Sent once more only when it provably never left (RequestNotSent): a connection that
+        closed or reset after the request was written may have been read by the upstream, so
+        a retry could run a generation or a passthrough POST twice. Stale pooled connections
+        are weeded out before the request is written instead (`UpstreamPool`). Cancelling the
+        caller's Deferred while this waits aborts the connection.
         """
         if self.api_key is not None:
             headers[b"authorization"] = [b"Bearer " + self.api_key.encode()]
@@ -166,8 +184,8 @@ class Upstream:
                         ) from None
                     if isinstance(e, CancelledError) or _wraps(e, CancelledError):
                         raise CancelledError() from None
-                    if attempt == 1 and _closed_before_answering(e):
-                        continue  # a pooled connection the upstream had just closed: once more
+                    if attempt == 1 and isinstance(e, RequestNotSent):
+                        continue  # provably never written: it cannot run twice
                     raise GatewayError(
                         502, f"upstream {self.name} unreachable: {_reason(e)}"
                     ) from None
@@ -192,18 +210,37 @@ class Upstream:
         return protocol.done
 
     async def read_limited(self, response: IResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
-        """An error body, up to `limit` bytes: enough to quote, never a memory risk."""
+        """A body up to `limit` bytes, read within `connect_timeout`: enough to quote an error,
+        never a memory risk, and never a wait on a body that does not end. Past either bound
+        reading stops and the connection is closed; what did arrive is returned."""
         parts: list[bytes] = []
         size = 0
+        timed_out = False
 
         def take(data: bytes) -> None:
             nonlocal size
-            if size < limit:
-                parts.append(data[: limit - size])
-                size += len(data)
+            parts.append(data[: limit - size])
+            size += len(data)
+            if size >= limit:
+                raise _Enough()
 
-        with suppress(UpstreamBroken):  # what did arrive is still worth quoting
-            await self.stream(response, take)
+        def give_up() -> None:
+            nonlocal timed_out
+            timed_out = True
+            reading.cancel()
+
+        reading = self.stream(response, take)
+        timer = self.clock.callLater(self.connect_timeout, give_up)
+        try:
+            await reading
+        except (_Enough, UpstreamBroken):
+            pass  # what did arrive is still worth quoting
+        except CancelledError:
+            if not timed_out:
+                raise
+        finally:
+            if timer.active():
+                timer.cancel()
         return b"".join(parts)
 
 
@@ -214,8 +251,9 @@ class Backpressure:
     The client's send buffer filling pauses the upstream socket and draining resumes it, so a
     slow reader costs the gateway no memory. A reader that stays paused for `stall_timeout`
     would pin its slot forever: it is cut off, which cancels the upstream like a disconnect.
-    After a client disconnect twisted.web has detached the request's channel: there is then
-    nothing to register with or unregister from.
+    The producer it pauses is the body's `_BodyStream`, which stops its idle timer while paused:
+    a slow client is not an upstream fault. After a client disconnect twisted.web has detached
+    the request's channel: there is then nothing to register with or unregister from.
     """
 
     def __init__(self, request: IRequest, clock: IReactorTime, stall_timeout: float) -> None:
@@ -268,31 +306,50 @@ def _wraps(e: BaseException, *kinds: type[BaseException]) -> bool:
     return any(isinstance(r, Failure) and r.check(*kinds) for r in reasons)
 
 
-def _closed_before_answering(e: BaseException) -> bool:
-    """The connection closed cleanly before any response byte: the upstream never took the
-    request (an idle keep-alive connection it closed as we reused it), so sending it again on a
-    new connection cannot run it twice. vLLM's server closes idle connections after 5 s."""
-    return isinstance(e, RequestNotSent | RequestTransmissionFailed | ResponseNeverReceived) and (
-        isinstance(e, RequestNotSent) or _wraps(e, ConnectionDone, ConnectionLost)
-    )
-
-
 class UpstreamPool(HTTPConnectionPool):
-    """Persistent upstream connections, minus two ways Twisted's pool hands out a dead one.
+    """Persistent upstream connections, minus three ways Twisted's pool hands out a dead one.
 
     A response can finish in the same read in which we asked its connection to close (the
     translator gave up on a stream whose `[DONE]` came in that read); Twisted would cache that
-    closing connection. And an idle connection is kept 240 s by default, while uvicorn (vLLM)
-    closes its side after 5 s.
+    closing connection. An idle connection is kept 240 s by default, while uvicorn (vLLM)
+    closes its side after 5 s. And an idle connection whose close (or anything else: an idle
+    connection has nothing to say) has arrived but not yet been read by the reactor looks
+    alive: it is checked before a request is written on it, as urllib3 does, because after
+    the write nothing can tell whether the upstream read the request.
     """
 
     cachedConnectionTimeout = 4
+
+    def getConnection(self, key: Any, endpoint: Any) -> Deferred[Any]:
+        connections = self._connections.get(key)
+        while connections and connections[0].state == "QUIESCENT" and _has_input(connections[0]):
+            stale = connections.pop(0)
+            self._timeouts.pop(stale).cancel()
+            stale.transport.abortConnection()
+        return super().getConnection(key, endpoint)
 
     def _putConnection(self, key: Any, connection: Any) -> None:
         transport = connection.transport
         if transport is None or getattr(transport, "disconnecting", False):
             return  # already closing: its connectionLost takes it out of every list
         super()._putConnection(key, connection)
+
+
+def _has_input(connection: Any) -> bool:
+    """Whether an idle connection's socket has input waiting (the peer's close, or a reset)."""
+    transport = connection.transport
+    while transport is not None:
+        handle = transport.getHandle() if hasattr(transport, "getHandle") else None
+        if isinstance(handle, socket.socket):
+            try:
+                handle.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False  # nothing waiting: the connection is as idle as it looks
+            except OSError:
+                return True  # a reset
+            return True  # the peer's close (b""), or bytes an idle connection should not send
+        transport = getattr(transport, "transport", None)  # TLS: the TCP transport beneath
+    return False
 
 
 def _reason(e: BaseException) -> str:
@@ -306,7 +363,10 @@ def _reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+@implementer(IPushProducer)
 class _BodyStream(Protocol):
+    """Receives one response body; the producer `Backpressure` pauses (see `Upstream.stream`)."""
+
     def __init__(
         self,
         on_data: Callable[[bytes], None],
@@ -321,26 +381,30 @@ class _BodyStream(Protocol):
         self._name = name
         self._on_producer = on_producer
         self._failure: BaseException | None = None
-        self._timer = clock.callLater(idle_timeout, self._idle)
+        self._paused = False
+        self._lingering = False
+        self._timer: IDelayedCall | None = None
+        self._arm(idle_timeout)
         self.done: Deferred[None] = Deferred(lambda _: self._stop())
 
     def connectionMade(self) -> None:
         if self._on_producer is not None:
-            self._on_producer(self.transport)
+            self._on_producer(self)
 
     def dataReceived(self, data: bytes) -> None:
         if self.done.called:
             return
-        self._timer.reset(self._idle_timeout)
+        self._arm(self._idle_timeout)
         try:
             self._on_data(data)
+        except AnswerComplete:
+            self._linger()
         except Exception as e:
             self._failure = e
             self._stop()
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
-        if self._timer.active():
-            self._timer.cancel()
+        self._disarm()
         if self.done.called:
             return
         if self._failure is not None:
@@ -352,14 +416,52 @@ class _BodyStream(Protocol):
                 UpstreamBroken(f"upstream {self._name} broke off: {_reason(reason.value)}")
             )
 
+    # IPushProducer, for Backpressure: the idle timer only runs while the upstream may send.
+    def pauseProducing(self) -> None:
+        self._paused = True
+        self._disarm()
+        if self.transport is not None:
+            self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        if not self._lingering:
+            self._arm(self._idle_timeout)
+        if self.transport is not None:
+            self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self._stop()
+
+    def _linger(self) -> None:
+        """The answer is complete: the caller goes on now; the rest of the body is read and
+        dropped for `LINGER_AFTER_END`, then the connection is closed if it has not ended."""
+        self._lingering = True
+        self._arm(LINGER_AFTER_END)
+        self.done.callback(None)
+        if self._paused:
+            self.resumeProducing()  # nobody pauses it any more; let the body's end arrive
+
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.reset(seconds)
+        else:
+            self._timer = self._clock.callLater(seconds, self._idle)
+
+    def _disarm(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
     def _idle(self) -> None:
-        self._failure = UpstreamBroken(
-            f"upstream {self._name} was silent for {self._idle_timeout:g}s"
-        )
+        self._timer = None
+        if not self._lingering:
+            self._failure = UpstreamBroken(
+                f"upstream {self._name} was silent for {self._idle_timeout:g}s"
+            )
         self._stop()
 
     def _stop(self) -> None:
-        if self._timer.active():
-            self._timer.cancel()
+        self._disarm()
         if self.transport is not None:
             self.transport.stopProducing()
