@@ -185,7 +185,12 @@ class Reload(FairLine):
         await refused.closed
         self.assertEqual(refused.status, 529)
         await self.drain([*busy, *queued])
-        self.assertEqual(self.started()[2:], ["n-0", "n-1"])
+        # Both get a slot in the same instant (the two busy ones end together), so the stub may
+        # see them in either order; their places in line are what the reload had to keep.
+        self.assertEqual(sorted(self.started()[2:]), ["n-0", "n-1"])
+        places = [[d["position"] for n, d in r.frames() if n == "queue"] for r in queued]
+        self.assertEqual([p[0] for p in places], [1, 2])
+        self.assertEqual(sorted(places[1], reverse=True), places[1])
 
 
 class Overtaking(FairLine):
@@ -210,7 +215,10 @@ class Overtaking(FairLine):
         self.assertEqual(interactive.frames()[0][1]["position"], 1)
         await normal.until_text('"position":2')  # told within the staleness bound
         await self.drain([*busy, batch, normal, interactive])
-        self.assertEqual(self.started()[2:], ["interactive", "normal", "batch"])
+        # The two busy requests end together, so interactive and normal get their slots in the
+        # same instant and reach the stub in either order; batch waits for one of them to end.
+        self.assertEqual(sorted(self.started()[2:4]), ["interactive", "normal"])
+        self.assertEqual(self.started()[4:], ["batch"])
         positions = [d["position"] for n, d in normal.frames() if n == "queue"]
         self.assertEqual(positions[:2], [1, 2])
         self.assertEqual(check_stream([d for _, d in normal.frames()]), "complete")
