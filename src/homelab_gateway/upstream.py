@@ -36,6 +36,7 @@ from twisted.web.iweb import IAgent, IBodyProducer, IRequest, IResponse
 from zope.interface import implementer
 
 from homelab_gateway.errors import GatewayError
+from homelab_gateway.reads import ReadBatcher
 
 ERROR_BODY_LIMIT = 64 * 1024
 
@@ -322,13 +323,19 @@ class _BodyStream(Protocol):
         self._on_producer = on_producer
         self._failure: BaseException | None = None
         self._timer = clock.callLater(idle_timeout, self._idle)
+        self._reads = ReadBatcher(self._read)
         self.done: Deferred[None] = Deferred(lambda _: self._stop())
 
     def connectionMade(self) -> None:
+        self._reads.attach(self.transport)
         if self._on_producer is not None:
             self._on_producer(self.transport)
 
     def dataReceived(self, data: bytes) -> None:
+        self._reads.add(data)
+
+    def _read(self, data: bytes) -> None:
+        """Everything one socket read brought: one timer reset and one `on_data` call."""
         if self.done.called:
             return
         self._timer.reset(self._idle_timeout)
@@ -339,6 +346,7 @@ class _BodyStream(Protocol):
             self._stop()
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        self._reads.detach()
         if self._timer.active():
             self._timer.cancel()
         if self.done.called:
