@@ -5,8 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from twisted.internet import reactor
+from twisted.trial.unittest import TestCase
 
-from homelab_gateway.config import ConfigError, load_config, parse_config
+from homelab_gateway.config import (
+    DEFAULT_BACKLOG,
+    ConfigError,
+    load_config,
+    parse_config,
+    with_backlog,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,3 +185,32 @@ def test_api_keys_from_env_and_file_add_up(tmp_path: Path) -> None:
 def test_empty_config_is_valid_and_listens_on_loopback() -> None:
     config = parse_config({}, environ={})
     assert config.server.listen == "tcp:8080:interface=127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("listen", "expected"),
+    [
+        ("tcp:8080:interface=127.0.0.1", "tcp:8080:interface=127.0.0.1:backlog=4096"),
+        ("TCP6:8080", "TCP6:8080:backlog=4096"),
+        ("unix:/run/gw.sock", "unix:/run/gw.sock:backlog=4096"),
+        ("tcp:8080:backlog=100", "tcp:8080:backlog=100"),  # the operator's choice stands
+        ("systemd:domain=INET:index=0", "systemd:domain=INET:index=0"),  # systemd listens
+    ],
+)
+def test_the_listener_gets_a_large_backlog_unless_the_operator_set_one(
+    listen: str, expected: str
+) -> None:
+    assert with_backlog(listen) == expected
+
+
+class RunningListener(TestCase):
+    async def test_the_running_listener_has_the_default_backlog(self) -> None:
+        """Twisted's own default is 50: a burst of thousands of clients overflows it."""
+        from homelab_gateway.service import GatewayService
+
+        config = parse_config({}, source="<test>", environ={})
+        service = GatewayService(config, reactor, "tcp:0:interface=127.0.0.1")
+        service.privilegedStartService()
+        assert service.port is not None
+        self.addCleanup(service.port.stopListening)
+        assert service.port.backlog == DEFAULT_BACKLOG  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ from twisted.web.client import Agent
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.channel import GatewaySite, WireLimits
-from homelab_gateway.config import Config
+from homelab_gateway.config import Config, with_backlog
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.limiter import PositionedSemaphore
@@ -204,7 +204,8 @@ class GatewayService(Service):
         super().privilegedStartService()
         self.gateway = Gateway(self.config, self.reactor)
         try:
-            self.port = listen_now(serverFromString(self.reactor, self.listen), self.gateway.site)
+            endpoint = serverFromString(self.reactor, with_backlog(self.listen))
+            self.port = listen_now(endpoint, self.gateway.site)
         except CannotListenError as e:
             raise SystemExit(
                 f"homelab-gateway: cannot listen on {self.listen!r}: {e.socketError or e}"
