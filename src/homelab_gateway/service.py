@@ -27,6 +27,7 @@ from homelab_gateway.access import AccessPolicy
 from homelab_gateway.channel import GatewaySite, WireLimits
 from homelab_gateway.config import Config, with_backlog
 from homelab_gateway.errors import GatewayError
+from homelab_gateway.heap import settle_heap
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.limiter import PositionedSemaphore
 from homelab_gateway.llm import Messages
@@ -216,6 +217,7 @@ class GatewayService(Service):
         super().startService()
         assert self.gateway is not None
         self.gateway.start()
+        settle_heap()
         if os.environ.get(PROFILE_ENV):
             self._profiler = cProfile.Profile()
             self._profiler.enable()
