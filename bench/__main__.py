@@ -5,11 +5,13 @@ gateway on loopback as real twistd processes, runs each scenario against the gat
 there is one, directly against the stub, interleaved over several rounds, and prints a table and
 writes JSON (bench/results/). These are measurements, not tests: nothing here fails on a figure.
 
-  1 throughput     8 concurrent 2,000-token streams: tokens/s through /llm vs direct
+  1 throughput     8 concurrent 10,000-token streams: tokens/s through /llm vs direct, paired
   2 latency        200 sequential short requests: time to first token, gateway - direct
+  (the gateway's own CPU per 1,000 tokens or per request is printed beside each figure)
   3 queue          5,000 streams behind slots = 2: FIFO, RSS and CPU per request, frames, staleness
   4 cancellation   100 streams cut at random: client close -> stub logs `cancelled`
   5 slow reader    1 KB/s from a 10 MB stream: the gateway's RSS over time
+  6 burst          5,000 clients connecting at once behind 2 slots, fresh gateway (bench.burst)
 
 `--target URL --model NAME` runs scenarios 1 and 2 against any Anthropic-compatible endpoint
 instead (e.g. another gateway), with nothing started here.
@@ -32,6 +34,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from bench import burst
 from bench.client import Frame, Result, get_json, percentile, request
 from tests.processes import Process, start_gateway, start_stub
 
@@ -512,6 +515,8 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         report["5_slow_reader"] = asyncio.run(slow_reader(url, big, stats, args.slow_seconds))
         gateway.stop()
         processes.remove(gateway)
+        print("6 burst ...", file=sys.stderr)
+        report["6_burst"] = burst.run(workdir, args.burst_clients)
         if args.profile:
             print("profile ...", file=sys.stderr)
             report["profile"] = profile_pass(workdir, gateway_config, big)
@@ -553,6 +558,7 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=200)
     parser.add_argument("--waiters", type=int, default=5000)
     parser.add_argument("--slow-seconds", type=float, default=15.0)
+    parser.add_argument("--burst-clients", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument(
