@@ -44,18 +44,27 @@ class SSEParser:
                 chunk = chunk[1:]  # the LF of a CRLF that was split across two reads
         if not chunk:
             return []
-        if not self._partial and chunk[-1:] == b"\n" and b"\r" not in chunk:
-            # The common read: whole LF-terminated lines (vLLM, Ollama, llama.cpp send these).
+        if not self._partial and chunk[-1:] == b"\n" and b"\r" not in chunk and self._started:
+            # The common read: whole LF-terminated lines (vLLM, Ollama, llama.cpp send these),
+            # mostly `data: ` lines and blank ones, handled here without a call per line.
             lines = chunk.split(b"\n")
             lines.pop()
-            return [event for event in map(self._line, lines) if event is not None]
+            events: list[ServerSentEvent] = []
+            for raw in lines:
+                if raw[:6] == b"data: ":
+                    self._data.append(raw[6:].decode("utf-8", "replace"))
+                    continue
+                event = self._dispatch() if not raw else self._line(raw)
+                if event is not None:
+                    events.append(event)
+            return events
         self._after_cr = chunk.endswith(b"\r")
         lines = (self._partial + chunk).splitlines(keepends=True)
         if lines and not lines[-1].endswith((b"\n", b"\r")):
             self._partial = lines.pop()
         else:
             self._partial = b""
-        events: list[ServerSentEvent] = []
+        events = []
         for raw in lines:
             event = self._line(raw.rstrip(b"\r\n"))
             if event is not None:
