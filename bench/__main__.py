@@ -5,12 +5,14 @@ gateway on loopback as real twistd processes, runs each scenario against the gat
 there is one, directly against the stub, interleaved over several rounds, and prints a table and
 writes JSON (bench/results/). These are measurements, not tests: nothing here fails on a figure.
 
-  1 throughput     8 concurrent 2,000-token streams: tokens/s through /llm vs direct
+  1 throughput     8 concurrent 10,000-token streams: tokens/s through /llm vs direct, paired
   2 latency        200 sequential short requests: time to first token, gateway - direct
+  (the gateway's own CPU per 1,000 tokens or per request is printed beside each figure)
   3 queue          5,000 streams behind slots = 2: FIFO, RSS and CPU per request, frames, staleness
   4 cancellation   100 streams cut at random: client close -> stub logs `cancelled`
   5 slow reader    1 KB/s from a 10 MB stream: the gateway's RSS over time
-  6 fair share     two equal-weight clients flood slots = 2 (one's requests 4x longer) while an
+  6 burst          5,000 clients connecting at once behind 2 slots, fresh gateway (bench.burst)
+  7 fair share     two equal-weight clients flood slots = 2 (one's requests 4x longer) while an
                    interactive client asks every 0.5 s: slot-time shares and Jain's index, the
                    interactive client's wait p50/p95, with named clients and then as one FIFO
 
@@ -37,11 +39,13 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from bench import burst
 from bench.client import Frame, Result, get_json, percentile, request
 from tests.processes import Process, start_gateway, start_stub
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TICKS = os.sysconf("SC_CLK_TCK")
+STREAM_TOKENS = 10_000  # per stream in scenario 1: short streams are too noisy on 2 cores
 
 
 def config(fast: str, big: str, paced: str) -> str:
@@ -59,6 +63,10 @@ queue_limit = 10000
 url = "{big}"
 slots = 1
 
+[upstreams.bulk]
+url = "{big}"
+slots = 8
+
 [upstreams.paced]
 url = "{paced}"
 slots = 200
@@ -71,6 +79,9 @@ upstream = "queue"
 
 [models.big]
 upstream = "big"
+
+[models.bulk]
+upstream = "bulk"
 
 [models.paced]
 upstream = "paced"
@@ -144,30 +155,53 @@ async def streams_rate(
     return tokens / elapsed, tokens
 
 
-async def throughput(direct: str | None, gateway: str, model: str, rounds: int) -> dict[str, Any]:
-    direct_rates, gateway_rates = [], []
-    tokens = 0
+async def throughput(
+    direct: str | None,
+    gateway: str,
+    model: str,
+    rounds: int,
+    stats: ProcessStats | None = None,
+    tokens: int = STREAM_TOKENS,
+) -> dict[str, Any]:
+    """Paired rounds: the stub directly, then through the gateway, `rounds` times; the ratio is
+    the median of the rounds' own ratios, so a noisy moment hits both sides of one pair."""
+    direct_rates, gateway_rates, cpu_ms = [], [], []
+    counted = 0
     for _ in range(rounds):
         if direct is not None:
             rate, _ = await streams_rate(
-                direct + "/chat/completions", openai_body("long"), 8, is_openai_token
+                direct + "/chat/completions",
+                openai_body("content-only", tokens),
+                8,
+                is_openai_token,
             )
             direct_rates.append(rate)
-        rate, tokens = await streams_rate(
-            gateway + "/v1/messages", anthropic_body(model, "long"), 8, is_anthropic_token
+        cpu = stats.cpu_seconds() if stats else 0.0
+        rate, counted = await streams_rate(
+            gateway + "/v1/messages",
+            anthropic_body(model, "content-only", tokens),
+            8,
+            is_anthropic_token,
         )
+        if stats:
+            cpu_ms.append(1e6 * (stats.cpu_seconds() - cpu) / counted)
         gateway_rates.append(rate)
     out: dict[str, Any] = {
         "streams": 8,
-        "tokens_per_round": tokens,
+        "tokens_per_round": counted,
         "rounds": rounds,
         "gateway_tokens_per_s": round(statistics.median(gateway_rates)),
         "gateway_all": [round(r) for r in gateway_rates],
     }
+    if cpu_ms:
+        out["gateway_cpu_ms_per_1000_tokens"] = round(statistics.median(cpu_ms), 2)
+        out["gateway_cpu_ms_per_1000_tokens_all"] = [round(c, 2) for c in cpu_ms]
     if direct_rates:
+        ratios = [g / d for g, d in zip(gateway_rates, direct_rates, strict=True)]
         out["direct_tokens_per_s"] = round(statistics.median(direct_rates))
         out["direct_all"] = [round(r) for r in direct_rates]
-        out["ratio"] = round(out["gateway_tokens_per_s"] / out["direct_tokens_per_s"], 2)
+        out["ratio"] = round(statistics.median(ratios), 2)
+        out["ratio_all"] = [round(r, 2) for r in ratios]
     return out
 
 
@@ -187,8 +221,11 @@ async def first_token(url: str, body: dict[str, Any], is_token: Any) -> float:
     return frame.at - result.sent
 
 
-async def latency(direct: str | None, gateway: str, model: str, n: int) -> dict[str, Any]:
+async def latency(
+    direct: str | None, gateway: str, model: str, n: int, stats: ProcessStats | None = None
+) -> dict[str, Any]:
     direct_ms, gateway_ms = [], []
+    cpu_seconds = 0.0
     for _ in range(n):
         if direct is not None:
             direct_ms.append(
@@ -197,6 +234,7 @@ async def latency(direct: str | None, gateway: str, model: str, n: int) -> dict[
                     direct + "/chat/completions", openai_body("content-only", 8), is_openai_token
                 )
             )
+        cpu = stats.cpu_seconds() if stats else 0.0
         gateway_ms.append(
             1000
             * await first_token(
@@ -205,8 +243,10 @@ async def latency(direct: str | None, gateway: str, model: str, n: int) -> dict[
                 is_anthropic_token,
             )
         )
+        cpu_seconds += stats.cpu_seconds() - cpu if stats else 0.0
     out: dict[str, Any] = {
         "requests": n,
+        **({"gateway_cpu_ms_per_request": round(1000 * cpu_seconds / n, 3)} if stats else {}),
         "gateway_p50_ms": round(percentile(gateway_ms, 50), 2),
         "gateway_p95_ms": round(percentile(gateway_ms, 95), 2),
     }
@@ -570,14 +610,14 @@ def kernel_buffers() -> str:
 # -- running it all -----------------------------------------------------------------------------
 
 
-def profile_pass(workdir: Path, gateway_config: str, fast: str) -> str:
+def profile_pass(workdir: Path, gateway_config: str, big: str) -> str:
     """Scenario 1 once more with the gateway under cProfile; the top of the profile as text."""
     path = workdir / "gateway.prof"
     gateway, url = start_gateway(
         workdir, gateway_config, env={"HOMELAB_GATEWAY_PROFILE": str(path)}
     )
     try:
-        asyncio.run(throughput(fast, url + "/llm", "fast", 2))
+        asyncio.run(throughput(big, url + "/llm", "bulk", 2))
     finally:
         gateway.stop()
     out = StringIO()
@@ -602,10 +642,12 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stats = ProcessStats(gateway.popen.pid)
         report: dict[str, Any] = {"machine": machine()}
         print("1 throughput ...", file=sys.stderr)
-        report["1_throughput"] = asyncio.run(throughput(fast, url + "/llm", "fast", args.rounds))
+        report["1_throughput"] = asyncio.run(
+            throughput(big, url + "/llm", "bulk", args.rounds, stats)
+        )
         print("2 latency ...", file=sys.stderr)
         report["2_latency"] = asyncio.run(
-            latency(fast, url + "/llm", "fast", args.latency_requests)
+            latency(fast, url + "/llm", "fast", args.latency_requests, stats)
         )
         print("3 queue scale ...", file=sys.stderr)
         report["3_queue"] = asyncio.run(queue_scale(url, stats, args.waiters))
@@ -615,10 +657,12 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         report["5_slow_reader"] = asyncio.run(slow_reader(url, big, stats, args.slow_seconds))
         gateway.stop()
         processes.remove(gateway)
-        report["6_fair_share"] = run_fair_share(workdir, processes, args.fair_seconds)
+        print("6 burst ...", file=sys.stderr)
+        report["6_burst"] = burst.run(workdir, args.burst_clients)
+        report["7_fair_share"] = run_fair_share(workdir, processes, args.fair_seconds)
         if args.profile:
             print("profile ...", file=sys.stderr)
-            report["profile"] = profile_pass(workdir, gateway_config, fast)
+            report["profile"] = profile_pass(workdir, gateway_config, big)
         return report
     finally:
         for process in processes:
@@ -627,7 +671,7 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def run_fair_share(workdir: Path, processes: list[Process], seconds: float) -> dict[str, Any]:
     """Scenario 6 on a gateway of its own: its named clients make keys required."""
-    print("6 fair share ...", file=sys.stderr)
+    print("7 fair share ...", file=sys.stderr)
     log = workdir / "fair.log"
     stub, paced = start_stub(
         workdir,
@@ -672,10 +716,11 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=200)
     parser.add_argument("--waiters", type=int, default=5000)
     parser.add_argument("--slow-seconds", type=float, default=15.0)
+    parser.add_argument("--burst-clients", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--fair-seconds", type=float, default=60.0, help="per phase, scenario 6")
+    parser.add_argument("--fair-seconds", type=float, default=60.0, help="per phase, scenario 7")
     parser.add_argument(
-        "--only-fair", action="store_true", help="run scenario 6 alone (it starts its own gateway)"
+        "--only-fair", action="store_true", help="run scenario 7 alone (it starts its own gateway)"
     )
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument(
@@ -695,7 +740,7 @@ def main() -> None:
             try:
                 report = {
                     "machine": machine(),
-                    "6_fair_share": run_fair_share(Path(workdir), processes, args.fair_seconds),
+                    "7_fair_share": run_fair_share(Path(workdir), processes, args.fair_seconds),
                 }
             finally:
                 for process in processes:

@@ -7,8 +7,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from twisted.internet import reactor
+from twisted.trial.unittest import TestCase
 
-from homelab_gateway.config import ConfigError, auth_key_name, load_config, parse_config
+from homelab_gateway.config import (
+    DEFAULT_BACKLOG,
+    ConfigError,
+    auth_key_name,
+    load_config,
+    parse_config,
+    with_backlog,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -259,3 +268,32 @@ def test_auth_keys_are_named_by_a_digest_prefix_not_the_key() -> None:
     name = auth_key_name("sekrit")
     assert name == "key-" + hashlib.sha256(b"sekrit").hexdigest()[:8]
     assert "sekrit" not in name
+
+
+@pytest.mark.parametrize(
+    ("listen", "expected"),
+    [
+        ("tcp:8080:interface=127.0.0.1", "tcp:8080:interface=127.0.0.1:backlog=4096"),
+        ("TCP6:8080", "TCP6:8080:backlog=4096"),
+        ("unix:/run/gw.sock", "unix:/run/gw.sock:backlog=4096"),
+        ("tcp:8080:backlog=100", "tcp:8080:backlog=100"),  # the operator's choice stands
+        ("systemd:domain=INET:index=0", "systemd:domain=INET:index=0"),  # systemd listens
+    ],
+)
+def test_the_listener_gets_a_large_backlog_unless_the_operator_set_one(
+    listen: str, expected: str
+) -> None:
+    assert with_backlog(listen) == expected
+
+
+class RunningListener(TestCase):
+    async def test_the_running_listener_has_the_default_backlog(self) -> None:
+        """Twisted's own default is 50: a burst of thousands of clients overflows it."""
+        from homelab_gateway.service import GatewayService
+
+        config = parse_config({}, source="<test>", environ={})
+        service = GatewayService(config, reactor, "tcp:0:interface=127.0.0.1")
+        service.privilegedStartService()
+        assert service.port is not None
+        self.addCleanup(service.port.stopListening)
+        assert service.port.backlog == DEFAULT_BACKLOG  # type: ignore[attr-defined]

@@ -221,3 +221,30 @@ def test_an_overlong_upstream_line_fails_the_stream_with_an_error_event() -> Non
     assert [e["type"] for e in events][-1] == "error"
     assert "content_block_delta" in [e["type"] for e in events]
     assert decoder.feed(b"more\n\n") == []
+
+
+sse_lines = st.lists(
+    st.one_of(
+        st.just(b""),
+        st.sampled_from(
+            [b"data", b"data:", b"data: ", b"data:  ", b"event: ", b"id: ", b":", b"x: "]
+        )
+        .flatmap(lambda head: st.binary(max_size=12).map(lambda tail: head + tail))
+        .filter(lambda line: b"\n" not in line and b"\r" not in line),
+    ),
+    max_size=30,
+)
+
+
+@given(sse_lines, st.data())
+def test_reads_of_whole_lines_parse_as_byte_by_byte(
+    lines: list[bytes], data: st.DataObject
+) -> None:
+    """Whole LF-terminated lines take the parser's fast path: it must agree with the slow one."""
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(lines)), max_size=6))))
+    reads = [
+        b"".join(line + b"\n" for line in lines[a:b])
+        for a, b in zip([0, *cuts], [*cuts, len(lines)], strict=True)
+    ]
+    stream = b"".join(reads)
+    assert parse_all(reads) == parse_all([stream[i : i + 1] for i in range(len(stream))])

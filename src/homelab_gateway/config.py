@@ -406,6 +406,22 @@ def _parse_auth(section: _Section, environ: Mapping[str, str]) -> AuthConfig:
     )
 
 
+# Twisted listens with a backlog of 50: a burst of a few thousand clients connecting at once
+# overflows it, and they wait for SYN retries (seconds each) or see resets. Linux caps the value
+# at net.core.somaxconn (4096 by default since 5.4), so asking for that costs nothing more.
+DEFAULT_BACKLOG = 4096
+_TAKES_BACKLOG = ("tcp", "tcp6", "ssl", "unix")
+
+
+def with_backlog(description: str, backlog: int = DEFAULT_BACKLOG) -> str:
+    """The listen string with `backlog=` added, unless the operator set one or the endpoint
+    has no listen queue of ours (systemd passes a socket it already listens on)."""
+    kind = description.split(":", 1)[0].strip().lower()
+    if kind not in _TAKES_BACKLOG or re.search(r"(?i)(?<!\\):backlog=", description):
+        return description
+    return f"{description}:backlog={backlog}"
+
+
 def check_endpoint(description: str, error: Any) -> None:
     """Reject a listen string that Twisted could not parse, before the reactor runs.
 

@@ -30,8 +30,16 @@ from twisted.web.client import Agent
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.channel import GatewaySite, WireLimits
-from homelab_gateway.config import Config, ConfigError, ModelConfig, UpstreamConfig, load_config
+from homelab_gateway.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    UpstreamConfig,
+    load_config,
+    with_backlog,
+)
 from homelab_gateway.errors import GatewayError
+from homelab_gateway.heap import settle_heap
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.limiter import PositionedSemaphore
 from homelab_gateway.llm import Messages
@@ -342,7 +350,8 @@ class GatewayService(Service):
         # reactor leaves SIGHUP alone; it installs its own SIGTERM and SIGINT as it starts.
         self._handle(signal.SIGHUP)
         try:
-            self.port = listen_now(serverFromString(self.reactor, self.listen), self.gateway.site)
+            endpoint = serverFromString(self.reactor, with_backlog(self.listen))
+            self.port = listen_now(endpoint, self.gateway.site)
         except CannotListenError as e:
             raise SystemExit(
                 f"homelab-gateway: cannot listen on {self.listen!r}: {e.socketError or e}"
@@ -355,6 +364,7 @@ class GatewayService(Service):
         self.gateway.start()
         # After the reactor's own handlers, which it installs as it starts running.
         self.reactor.callWhenRunning(self._handle, signal.SIGTERM, signal.SIGINT)
+        settle_heap()
         if os.environ.get(PROFILE_ENV):
             self._profiler = cProfile.Profile()
             self._profiler.enable()

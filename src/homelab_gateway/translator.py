@@ -78,6 +78,9 @@ class StreamTranslator:
         show_reasoning: bool = True,
     ) -> None:
         self.phase = Phase.AWAITING_FIRST_CHUNK
+        # DONE or FAILED: a plain attribute, not a property, since it is read several times per
+        # token; set in the only two places that end a stream, `end` and `_fail`.
+        self.terminated = False
         self.model = model
         self.message_id = message_id or new_message_id()
         self.input_tokens = input_tokens  # the whole prompt, cached or not
@@ -95,10 +98,6 @@ class StreamTranslator:
         self._used_tools = False
         self._show_reasoning = show_reasoning
         self._out: list[Event] = []
-
-    @property
-    def terminated(self) -> bool:
-        return self.phase in (Phase.DONE, Phase.FAILED)
 
     def feed(self, chunk: Any) -> list[Event]:
         """Translate one parsed upstream chunk."""
@@ -134,6 +133,7 @@ class StreamTranslator:
         self._out.append({"type": "message_delta", "delta": delta, "usage": usage})
         self._out.append({"type": "message_stop"})
         self.phase = Phase.DONE
+        self.terminated = True
         return self._flush()
 
     def fail(self, error_type: str, message: str) -> list[Event]:
@@ -145,6 +145,7 @@ class StreamTranslator:
         if not self.terminated:
             self._out.append(error_event(error_type, message))
             self.phase = Phase.FAILED
+            self.terminated = True
 
     @property
     def final_output_tokens(self) -> int:

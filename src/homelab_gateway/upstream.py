@@ -34,6 +34,7 @@ from twisted.web.iweb import IAgent, IBodyProducer, IRequest, IResponse
 from zope.interface import implementer
 
 from homelab_gateway.errors import GatewayError
+from homelab_gateway.reads import ReadBatcher
 
 ERROR_BODY_LIMIT = 64 * 1024
 LINGER_AFTER_END = 1.0
@@ -385,13 +386,19 @@ class _BodyStream(Protocol):
         self._lingering = False
         self._timer: IDelayedCall | None = None
         self._arm(idle_timeout)
+        self._reads = ReadBatcher(self._read)
         self.done: Deferred[None] = Deferred(lambda _: self._stop())
 
     def connectionMade(self) -> None:
+        self._reads.attach(self.transport)
         if self._on_producer is not None:
             self._on_producer(self)
 
     def dataReceived(self, data: bytes) -> None:
+        self._reads.add(data)
+
+    def _read(self, data: bytes) -> None:
+        """Everything one socket read brought: one timer reset and one `on_data` call."""
         if self.done.called:
             return
         self._arm(self._idle_timeout)
@@ -404,6 +411,7 @@ class _BodyStream(Protocol):
             self._stop()
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        self._reads.detach()
         self._disarm()
         if self.done.called:
             return
