@@ -37,7 +37,20 @@ class RecordingLog(StubLog):
         return [line for line in self.lines if line[1] == name]
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+PATIENCE = 20.0
+"""How long a test waits for a state (a slot held, a line logged) before it fails. A passing
+wait ends as soon as the state holds, so the bound only has to be long enough for a loaded
+2-core machine, and short next to every timer that could produce the same state by accident
+(idle_timeout 300 s, queue_timeout 600 s)."""
+
+PROMPTLY = 3.0
+"""What "at once" means in an assertion on a loaded machine (a cancel reaching the upstream, a
+queue frame, a refusal): hundreds of times the figures bench/ measures (a few ms)."""
+
+
+async def wait_for(
+    predicate: Callable[[], bool], timeout: float = PATIENCE, what: str = ""
+) -> None:
     """Poll a condition on real sockets, bounded: where no Clock can stand in."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -133,14 +146,14 @@ class RawResponse(Protocol):
             d.errback(AssertionError(f"connection closed; got {self.raw[-400:]!r}"))
         self._waiters.clear()
 
-    def until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> Deferred[None]:
+    def until(self, predicate: Callable[[], bool], timeout: float = PATIENCE) -> Deferred[None]:
         if predicate():
             return succeed(None)
         d: Deferred[None] = Deferred()
         self._waiters.append((predicate, d))
         return d.addTimeout(timeout, reactor)
 
-    def until_text(self, text: str, timeout: float = 10.0) -> Deferred[None]:
+    def until_text(self, text: str, timeout: float = PATIENCE) -> Deferred[None]:
         return self.until(lambda: text in self.body_text(), timeout)
 
     def disconnect(self) -> None:

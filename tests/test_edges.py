@@ -67,7 +67,7 @@ class ModelNames(LLMSurface):
             1,
         )
         self.assertNotIn("forged", text)
-        await wait_for(lambda: len(self.logged) == 1, 2.0, "the log event")
+        await wait_for(lambda: len(self.logged) == 1, what="the log event")
         event = self.logged[0]
         line = formatEvent(event)
         line.encode("utf-8")  # what a text log file does with it
@@ -82,7 +82,7 @@ class ModelNames(LLMSurface):
         text = await self.scrape()
         self.assertNotIn("ghost", text)
         self.assertLess(len(text), 20_000)
-        await wait_for(lambda: len(self.logged) == 20, 2.0, "the log events")
+        await wait_for(lambda: len(self.logged) == 20, what="the log events")
         self.assertTrue(all(len(formatEvent(e)) < 1000 for e in self.logged))
         served = await self.post(chat())
         self.assertEqual(served.status, 200)

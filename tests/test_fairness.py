@@ -97,7 +97,7 @@ class FairLine(TestCase):
         for response in responses:
             await response.closed
         await wait_for(
-            lambda: self.line.in_use == 0 and not self.line.waiting, 5.0, "the line to empty"
+            lambda: self.line.in_use == 0 and not self.line.waiting, what="the line to empty"
         )
 
     async def status(self) -> dict[str, Any]:
@@ -112,9 +112,9 @@ class Ordering(FairLine):
         self,
     ) -> None:
         flood = [self.send("flood-key", tagged(f"flood-{i}")) for i in range(30)]
-        await wait_for(lambda: len(self.line.waiting) == 28, 5.0, "the flood to queue")
+        await wait_for(lambda: len(self.line.waiting) == 28, what="the flood to queue")
         single = self.send("chat-key", tagged("single"), headers={"x-priority": "normal"})
-        await wait_for(lambda: len(self.line.waiting) == 29, 5.0, "the single one to queue")
+        await wait_for(lambda: len(self.line.waiting) == 29, what="the single one to queue")
         await single.closed
         self.assertEqual(check_stream([d for _, d in single.frames()]), "complete")
         self.assertLessEqual(self.started().index("single"), 2 + 2, self.started())
@@ -123,10 +123,10 @@ class Ordering(FairLine):
     @async_test
     async def test_x_priority_only_lowers_the_class(self) -> None:
         busy = [self.send("flood-key", tagged(f"busy-{i}")) for i in range(2)]
-        await wait_for(lambda: self.line.in_use == 2, 5.0, "the slots to fill")
+        await wait_for(lambda: self.line.in_use == 2, what="the slots to fill")
         lowered = self.send("chat-key", tagged("lowered"), headers={"x-priority": "batch"})
         raised = self.send("nightly-key", tagged("raised"), headers={"x-priority": "interactive"})
-        await wait_for(lambda: len(self.line.waiting) == 2, 5.0, "both to queue")
+        await wait_for(lambda: len(self.line.waiting) == 2, what="both to queue")
         status = await self.status()
         self.assertEqual(status["waiting_by_class"], {"interactive": 0, "normal": 0, "batch": 2})
         self.assertEqual(status["waiting_by_client"], {"frontend": 1, "nightly": 1})
@@ -136,9 +136,9 @@ class Ordering(FairLine):
     @async_test
     async def test_max_waiting_refuses_that_client_alone_with_529_and_retry_after(self) -> None:
         busy = [self.send("flood-key", tagged(f"busy-{i}")) for i in range(2)]
-        await wait_for(lambda: self.line.in_use == 2, 5.0, "the slots to fill")
+        await wait_for(lambda: self.line.in_use == 2, what="the slots to fill")
         nightly = [self.send("nightly-key", tagged(f"n-{i}")) for i in range(2)]
-        await wait_for(lambda: len(self.line.waiting) == 2, 5.0, "two to queue")
+        await wait_for(lambda: len(self.line.waiting) == 2, what="two to queue")
         refused = self.send("nightly-key", tagged("n-3", stream=False))
         await refused.closed
         self.assertEqual(refused.status, 529)
@@ -147,14 +147,14 @@ class Ordering(FairLine):
         self.assertEqual(error["type"], "overloaded_error")
         self.assertIn("client nightly", error["message"])
         other = self.send("flood-key", tagged("other"))
-        await wait_for(lambda: len(self.line.waiting) == 3, 5.0, "another client to queue")
+        await wait_for(lambda: len(self.line.waiting) == 3, what="another client to queue")
         await self.drain([*busy, *nightly, other])
         self.assertNotIn("n-3", self.started())
 
     @async_test
     async def test_metrics_show_the_line_by_class_and_client_and_slot_time(self) -> None:
         await (self.send("chat-key", tagged("one"))).closed
-        await wait_for(lambda: self.line.in_use == 0, 5.0, "the slot to be released")
+        await wait_for(lambda: self.line.in_use == 0, what="the slot to be released")
         response = raw_request(self.port, "GET", "/metrics")
         await response.closed
         text = response.body_text()
@@ -170,9 +170,9 @@ class Reload(FairLine):
     @async_test
     async def test_a_reload_changes_weights_and_caps_and_nobody_loses_a_place(self) -> None:
         busy = [self.send("flood-key", tagged(f"busy-{i}")) for i in range(2)]
-        await wait_for(lambda: self.line.in_use == 2, 5.0, "the slots to fill")
+        await wait_for(lambda: self.line.in_use == 2, what="the slots to fill")
         queued = [self.send("nightly-key", tagged(f"n-{i}")) for i in range(2)]
-        await wait_for(lambda: len(self.line.waiting) == 2, 5.0, "two to queue")
+        await wait_for(lambda: len(self.line.waiting) == 2, what="two to queue")
         document = json.loads(json.dumps(self.document))
         document["clients"]["nightly"]["max_waiting"] = 0
         document["clients"]["flood"]["weight"] = 3
@@ -202,7 +202,7 @@ class Overtaking(FairLine):
         self,
     ) -> None:
         busy = [self.send("flood-key", tagged(f"busy-{i}")) for i in range(2)]
-        await wait_for(lambda: self.line.in_use == 2, 5.0, "the slots to fill")
+        await wait_for(lambda: self.line.in_use == 2, what="the slots to fill")
         batch = self.send("nightly-key", tagged("batch"))
         normal = self.send("flood-key", tagged("normal"))
         await normal.until_text('"position":1')  # the fair share ranks it before batch
@@ -238,7 +238,7 @@ class Aging(FairLine):
                 normals.append(self.send("flood-key", tagged(f"normal-{len(normals)}")))
 
         normals.append(self.send("flood-key", tagged("normal-first")))
-        await wait_for(lambda: self.line.in_use == 1, 5.0, "the slot to fill")
+        await wait_for(lambda: self.line.in_use == 1, what="the slot to fill")
         batch = self.send("nightly-key", tagged("batch"))
         await batch.until_text("event: queue")
 
@@ -302,9 +302,9 @@ class Identity(TestCase):
     async def waiting_clients(self, headers: dict[str, str]) -> dict[str, int]:
         slots = self.servers.gateway.pools["vllm"].slots
         busy = raw_request(self.port, "POST", "/llm/v1/messages", chat(), headers=headers)
-        await wait_for(lambda: slots.in_use == 1, 5.0, "the slot to fill")
+        await wait_for(lambda: slots.in_use == 1, what="the slot to fill")
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat(), headers=headers)
-        await wait_for(lambda: len(slots.waiting) == 1, 5.0, "one to queue")
+        await wait_for(lambda: len(slots.waiting) == 1, what="one to queue")
         status = raw_request(self.port, "GET", "/llm/v1/status")
         await status.closed
         await busy.closed

@@ -38,9 +38,9 @@ class Drain(LLMSurface):
     @async_test
     async def test_every_whole_answer_finished_in_the_grace_reaches_its_client(self) -> None:
         first = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the first slot")
+        await wait_for(lambda: self.slots.in_use == 1, what="the first slot")
         last = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
-        await wait_for(lambda: self.slots.in_use == 2, 2.0, "the second slot")
+        await wait_for(lambda: self.slots.in_use == 2, what="the second slot")
         await self.drain_then_exit()
         await first.closed
         await last.closed
@@ -50,7 +50,7 @@ class Drain(LLMSurface):
     @async_test
     async def test_a_single_whole_answer_reaches_its_client(self) -> None:
         only = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot")
+        await wait_for(lambda: self.slots.in_use == 1, what="the slot")
         await self.drain_then_exit()
         await only.closed
         self.assert_answered(only)
@@ -60,7 +60,7 @@ class Drain(LLMSurface):
         self.stub.settings.hold = 60
         self.servers.gateway.config = _with_grace(self.servers.gateway.config, 0.2)
         cut = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
-        await wait_for(lambda: self.stub.stats.in_flight == 1, 2.0, "the upstream request")
+        await wait_for(lambda: self.stub.stats.in_flight == 1, what="the upstream request")
         await self.drain_then_exit()
         await cut.closed
         self.assertEqual(cut.status, 503, cut.raw)
@@ -72,7 +72,7 @@ class Drain(LLMSurface):
     async def test_a_second_signal_ends_the_grace_at_once(self) -> None:
         self.stub.settings.hold = 60
         cut = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
-        await wait_for(lambda: self.stub.stats.in_flight == 1, 2.0, "the upstream request")
+        await wait_for(lambda: self.stub.stats.in_flight == 1, what="the upstream request")
         drained = Deferred.fromCoroutine(self.drain_then_exit())
         self.assertTrue(self.servers.gateway.cut_short())
         await drained
@@ -158,7 +158,7 @@ class CountTokensDrain(LLMSurface):
         counting = raw_request(
             self.port, "POST", "/llm/v1/messages/count_tokens", chat(stream=False)
         )
-        await wait_for(lambda: self.tokenizer.waiting, 2.0, "the /tokenize request")
+        await wait_for(lambda: self.tokenizer.waiting, what="the /tokenize request")
         await self.servers.gateway.drain()
         exit_now(self.servers)
         await counting.closed

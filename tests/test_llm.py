@@ -15,7 +15,7 @@ from twisted.trial.unittest import TestCase
 from homelab_gateway.channel import WireLimits
 from homelab_gateway.upstream import UpstreamPool
 from tests.grammar import check_stream
-from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
+from tests.helpers import PROMPTLY, Servers, chat, gateway_document, raw_request, wait_for
 from tests.test_proxy import async_test
 
 
@@ -49,7 +49,7 @@ class LLMSurface(TestCase):
 
     async def settled(self) -> None:
         await wait_for(
-            lambda: self.slots.in_use == 0 and not self.slots.waiting, 2.0, "slots to be free"
+            lambda: self.slots.in_use == 0 and not self.slots.waiting, what="slots to be free"
         )
 
 
@@ -130,18 +130,18 @@ class Streaming(LLMSurface):
         await response.until_text("text_delta")
         response.disconnect()
         left = time.monotonic()
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
-        self.assertLess(self.log.events("cancelled")[0][0] - left, 1.0)
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
+        self.assertLess(self.log.events("cancelled")[0][0] - left, PROMPTLY)
         await self.settled()
 
     @async_test
     async def test_client_disconnect_during_the_prefill_cancels_upstream(self) -> None:
         self.stub.settings.hold = 30
         response = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="long"))
-        await wait_for(lambda: self.log.events("start"), 2.0, "the stub to start")
+        await wait_for(lambda: self.log.events("start"), what="the stub to start")
         self.assertEqual(response.raw, b"", "nothing is sent before message_start")
         response.disconnect()
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
         await self.settled()
 
 
@@ -186,7 +186,7 @@ class Pings(LLMSurface):
         frames = [d for _, d in response.frames()]
         self.assertEqual(check_stream(frames, allow_queue=False), "error")
         self.assertIn("silent", frames[-1]["error"]["message"])
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to be cancelled")
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to be cancelled")
 
 
 class NonStreaming(LLMSurface):
@@ -522,7 +522,7 @@ class Overflow(LLMSurface):
     async def test_the_models_list_says_the_window_vllm_reports(self) -> None:
         readiness = self.servers.gateway.readiness
         readiness.start()
-        await wait_for(lambda: readiness.probes["vllm"].ok, 5.0, "the first /models probe")
+        await wait_for(lambda: readiness.probes["vllm"].ok, what="the first /models probe")
         response = raw_request(self.port, "GET", "/llm/v1/models/reasoning")
         await response.closed
         entry = json.loads(response.body_text())

@@ -51,9 +51,9 @@ class Metrics(LLMSurface):
         before = await self.scrape()
         self.assertEqual(metric(before, "homelab_gateway_slots", upstream="vllm"), 1)
         first = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot to fill")
+        await wait_for(lambda: self.slots.in_use == 1, what="the slot to fill")
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: len(self.slots.waiting) == 1, 2.0, "one to queue")
+        await wait_for(lambda: len(self.slots.waiting) == 1, what="one to queue")
         during = await self.scrape()
         self.assertEqual(metric(during, "homelab_gateway_slots_in_use", upstream="vllm"), 1)
         self.assertEqual(metric(during, "homelab_gateway_queue_waiting", upstream="vllm"), 1)
@@ -93,9 +93,9 @@ class Metrics(LLMSurface):
     async def test_outcomes_and_cancellations_are_counted(self) -> None:
         await self.post(chat(model="ghost"))
         leaver = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="long"))
-        await wait_for(lambda: self.log.events("start"), 2.0, "the upstream request")
+        await wait_for(lambda: self.log.events("start"), what="the upstream request")
         leaver.disconnect()
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the cancel")
+        await wait_for(lambda: self.log.events("cancelled"), what="the cancel")
         await self.settled()
         text = await self.scrape()
         self.assertEqual(
@@ -127,7 +127,7 @@ class RequestLog(LLMSurface):
         secret_prompt = "my secret prompt text"
         response = await self.post(chat(content=secret_prompt), headers={"x-api-key": KEY})
         self.assertEqual(response.status, 200)
-        await wait_for(lambda: len(self.logged) == 1, 2.0, "the log event")
+        await wait_for(lambda: len(self.logged) == 1, what="the log event")
         event = self.logged[0]
         for field in (
             "request_id",
@@ -369,14 +369,14 @@ class Ready(LLMSurface):
         self.servers.gateway.start()
         self.addCleanup(self.servers.gateway.readiness.stop)
         await wait_for(
-            lambda: self.servers.gateway.readiness.report()[0], 2.0, "a successful probe"
+            lambda: self.servers.gateway.readiness.report()[0], what="a successful probe"
         )
         response = raw_request(self.port, "GET", "/readyz")
         await response.closed
         self.assertEqual(response.status, 200)
         self.servers.gateway.pools["vllm"].upstream.url = "http://127.0.0.1:1/v1"
         await wait_for(
-            lambda: not self.servers.gateway.readiness.report()[0], 2.0, "a failed probe"
+            lambda: not self.servers.gateway.readiness.report()[0], what="a failed probe"
         )
         response = raw_request(self.port, "GET", "/readyz")
         await response.closed
@@ -393,10 +393,10 @@ class Drain(LLMSurface):
     @async_test
     async def test_in_flight_finishes_queued_fails_new_refused(self) -> None:
         running = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot")
+        await wait_for(lambda: self.slots.in_use == 1, what="the slot")
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
         queued_whole = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
-        await wait_for(lambda: len(self.slots.waiting) == 2, 2.0, "two to queue")
+        await wait_for(lambda: len(self.slots.waiting) == 2, what="two to queue")
         drained = Deferred.fromCoroutine(self.servers.gateway.drain())
         late = await self.post(chat())
         await drained
@@ -427,7 +427,7 @@ class Drain(LLMSurface):
         self.assertEqual(check_stream(frames, allow_queue=False), "error")
         self.assertIn("shut down", frames[-1]["error"]["message"])
         self.assertTrue(running.raw.endswith(b"0\r\n\r\n"), "the response was not ended cleanly")
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the upstream to be cancelled")
+        await wait_for(lambda: self.log.events("cancelled"), what="the upstream to be cancelled")
         await self.settled()
 
 

@@ -22,7 +22,7 @@ from homelab_gateway.pool import TOKENIZE_CONCURRENCY
 from homelab_gateway.proxy import escapes_prefix, forward_headers, response_headers
 from homelab_gateway.upstream import Upstream
 from tests.grammar import check_stream
-from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
+from tests.helpers import PROMPTLY, Servers, chat, gateway_document, raw_request, wait_for
 
 
 def async_test(f: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Deferred[None]]:
@@ -196,10 +196,10 @@ class ProxyIntegration(TestCase):
         await response.until_text('"content": "')
         response.disconnect()
         left = time.monotonic()
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
-        self.assertLess(self.log.events("cancelled")[0][0] - left, 1.0)
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
+        self.assertLess(self.log.events("cancelled")[0][0] - left, PROMPTLY)
         await wait_for(
-            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, 1.0, "the slot"
+            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, what="the slot"
         )
 
     @async_test
@@ -207,11 +207,11 @@ class ProxyIntegration(TestCase):
         body = {**self.stream_body(), "stream": False}
         self.stub.settings.hold = 30  # non-streaming: headers come only with the answer
         response = raw_request(self.port, "POST", "/openai/chat/completions", body)
-        await wait_for(lambda: self.log.events("start"), 2.0, "the stub to see the request")
+        await wait_for(lambda: self.log.events("start"), what="the stub to see the request")
         response.disconnect()
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
         await wait_for(
-            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, 1.0, "the slot"
+            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, what="the slot"
         )
 
     @async_test
@@ -227,11 +227,11 @@ class ProxyIntegration(TestCase):
                 length=False,
             )
             await wait_for(
-                lambda: len(gateway_side) == 1, 2.0, "the gateway to take the connection"
+                lambda: len(gateway_side) == 1, what="the gateway to take the connection"
             )
             partial.disconnect()
             await partial.closed
-            await wait_for(lambda: not gateway_side, 2.0, "the gateway to drop it")
+            await wait_for(lambda: not gateway_side, what="the gateway to drop it")
         self.assertEqual(self.stub.stats.requests, 0)
         self.assertEqual(self.servers.gateway.pools["vllm"].slots.in_use, 0)
 
@@ -258,7 +258,7 @@ class ProxyIntegration(TestCase):
         self.assertFalse(
             response.raw.endswith(b"0\r\n\r\n"), "a cut body must not end like a complete one"
         )
-        await wait_for(lambda: self.log.events("cancelled"), 1.0, "the stub to log cancelled")
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
 
     @async_test
     async def test_unknown_path_is_404_and_bare_prefix_redirects(self) -> None:
@@ -347,10 +347,11 @@ class ProxyIntegration(TestCase):
             raw_request(self.port, "POST", "/llm/v1/messages", chat(content="content-only"))
             for _ in range(2)
         ]
-        await wait_for(lambda: self.stub.stats.in_flight == 2, 2.0, "two requests in flight")
+        await wait_for(lambda: self.stub.stats.in_flight == 2, what="two requests in flight")
         response = raw_request(self.port, "POST", "/openai/chat/completions", self.stream_body())
         await wait_for(
-            lambda: len(self.servers.gateway.pools["vllm"].slots.waiting) == 1, 2.0, "it to queue"
+            lambda: len(self.servers.gateway.pools["vllm"].slots.waiting) == 1,
+            what="it to queue",
         )
         await response.closed
         self.assertTrue(
@@ -379,9 +380,9 @@ class Backpressure(TestCase):
         await wait_for(lambda: self.stub.stats.paused > 0, 30.0, "the stub to be paused")
         self.assertEqual(self.log.events("complete"), [], "the whole stream was buffered somewhere")
         response.disconnect()
-        await wait_for(lambda: self.log.events("cancelled"), 2.0, "the stub to be cancelled")
+        await wait_for(lambda: self.log.events("cancelled"), what="the stub to be cancelled")
         await wait_for(
-            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, 2.0, "the slot"
+            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, what="the slot"
         )
 
     @async_test
@@ -411,15 +412,15 @@ class UpstreamMisbehaviour(TestCase):
         self.slots = self.servers.gateway.pools["vllm"].slots
 
     async def answered(self, response: Any) -> None:
-        await wait_for(lambda: response.closed.called, 5.0, "the client to be answered")
+        await wait_for(lambda: response.closed.called, what="the client to be answered")
 
     async def connection_closed(self) -> None:
         stub_side = self.servers.factories[0].protocols
-        await wait_for(lambda: not stub_side, 5.0, "the gateway to close the open body")
+        await wait_for(lambda: not stub_side, what="the gateway to close the open body")
 
     async def upstream_closed(self) -> None:
-        await wait_for(lambda: self.stub.stats.in_flight == 0, 5.0, "the upstream to be closed")
-        await wait_for(lambda: self.slots.in_use == 0, 2.0, "the slot")
+        await wait_for(lambda: self.stub.stats.in_flight == 0, what="the upstream to be closed")
+        await wait_for(lambda: self.slots.in_use == 0, what="the slot")
 
     @async_test
     async def test_done_ends_a_stream_whose_body_stays_open(self) -> None:
@@ -515,7 +516,7 @@ class StalePooledConnection(TestCase):
             return await upstream.read_limited(response)
 
         await post()
-        await wait_for(lambda: any(pool._connections.values()), 2.0, "the connection to be pooled")
+        await wait_for(lambda: any(pool._connections.values()), what="the connection to be pooled")
         [server_side] = servers.factories[0].protocols
         server_side.transport.getHandle().shutdown(socket.SHUT_WR)  # its close, on the wire now
         [cached] = next(c for c in pool._connections.values() if c)

@@ -97,9 +97,9 @@ class ReloadUnderLoad(LLMSurface):
     @async_test
     async def test_more_slots_go_to_the_waiters_in_their_order(self) -> None:
         running = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot")
+        await wait_for(lambda: self.slots.in_use == 1, what="the slot")
         waiters = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(3)]
-        await wait_for(lambda: len(self.slots.waiting) == 3, 2.0, "three to queue")
+        await wait_for(lambda: len(self.slots.waiting) == 3, what="three to queue")
         pool = self.servers.gateway.pools["vllm"]
         self.assertEqual(self.reload(slots=3), ["upstream 'vllm': slots 1 -> 3"])
         self.assertIs(self.servers.gateway.pools["vllm"], pool, "the pool carried over")
@@ -113,10 +113,10 @@ class ReloadUnderLoad(LLMSurface):
     async def test_fewer_slots_revoke_nothing(self) -> None:
         self.reload(slots=2)
         held = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(2)]
-        await wait_for(lambda: self.slots.in_use == 2, 2.0, "two slots")
+        await wait_for(lambda: self.slots.in_use == 2, what="two slots")
         self.reload(slots=1)
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: len(self.slots.waiting) == 1, 2.0, "one to queue")
+        await wait_for(lambda: len(self.slots.waiting) == 1, what="one to queue")
         for response in [*held, queued]:
             await response.closed
             self.assertEqual(response.events()[-1], "message_stop")
@@ -126,7 +126,7 @@ class ReloadUnderLoad(LLMSurface):
     @async_test
     async def test_a_removed_model_answers_404_while_its_running_request_finishes(self) -> None:
         running = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot")
+        await wait_for(lambda: self.slots.in_use == 1, what="the slot")
         document = gateway_document(self.stub_url, slots=1)
         document["models"] = {"renamed": {"upstream": "vllm", "upstream_model": "reasoning"}}
         document["routes"] = []
@@ -152,9 +152,9 @@ class ReloadUnderLoad(LLMSurface):
     @async_test
     async def test_a_removed_upstream_finishes_what_it_holds_and_its_queue(self) -> None:
         running = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: self.slots.in_use == 1, 2.0, "the slot")
+        await wait_for(lambda: self.slots.in_use == 1, what="the slot")
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        await wait_for(lambda: len(self.slots.waiting) == 1, 2.0, "one to queue")
+        await wait_for(lambda: len(self.slots.waiting) == 1, what="one to queue")
         old = self.slots
         other_url, _, _ = self.servers.stub()
         document = {
@@ -168,7 +168,7 @@ class ReloadUnderLoad(LLMSurface):
             await response.closed
             self.assertEqual(response.events()[-1], "message_stop")
         self.assertEqual(self.stub.stats.requests, 2, "both ran on the removed upstream")
-        await wait_for(lambda: old.in_use == 0, 2.0, "the old slots to be free")
+        await wait_for(lambda: old.in_use == 0, what="the old slots to be free")
 
     @async_test
     async def test_new_api_keys_apply_to_the_next_request(self) -> None:
@@ -187,7 +187,7 @@ class ReloadUnderLoad(LLMSurface):
         gateway.readiness.interval = 60  # no second round on its own within the test
         gateway.start()
         self.addCleanup(gateway.readiness.stop)
-        await wait_for(lambda: gateway.readiness.report()[0], 5.0, "the first probe")
+        await wait_for(lambda: gateway.readiness.report()[0], what="the first probe")
         other_url, _, _ = self.servers.stub()
         document = gateway_document(self.stub_url, slots=1, server={"probe_interval": 60})
         document["upstreams"]["other"] = {"url": other_url, "slots": 1}
@@ -195,4 +195,4 @@ class ReloadUnderLoad(LLMSurface):
         self.assertEqual(
             gateway.readiness.report()[1]["other"], {"ready": False, "detail": "not probed yet"}
         )
-        await wait_for(lambda: gateway.readiness.report()[0], 5.0, "the new upstream's probe")
+        await wait_for(lambda: gateway.readiness.report()[0], what="the new upstream's probe")
