@@ -9,6 +9,9 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.limiter import PositionedSemaphore, QueueFull
+from homelab_gateway.line import CLASS_RANK
+
+INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
 
 
 class BaseClassBehaviourWeRelyOn(TestCase):
@@ -98,6 +101,80 @@ class Positions(TestCase):
         self.sem.acquire_in_line()  # no listener
         self.sem.release()
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class Rises(TestCase):
+    """A position that goes up is told at once (never shown lower than the truth); one that goes
+    down waits for the coalesced pass."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.sem = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=10.0)
+        self.addCleanup(self.sem.close)
+
+    def waiter(self, client: str, rank: int = NORMAL) -> tuple[object, list[int]]:
+        seen: list[int] = []
+        return self.sem.acquire_in_line(seen.append, client=client, rank=rank), seen
+
+    def test_an_arrival_that_goes_ahead_tells_those_it_passed_at_once(self) -> None:
+        self.sem.acquire_in_line(client="script")
+        seen = [self.waiter("script")[1] for _ in range(3)]
+        _, chat = self.waiter("chat", INTERACTIVE)
+        self.assertEqual(chat, [1])
+        self.assertEqual(seen, [[1, 2], [2, 3], [3, 4]])
+        self.clock.advance(0.5)
+        self.assertEqual(seen, [[1, 2], [2, 3], [3, 4]])
+
+    def test_an_arrival_that_goes_last_tells_nobody_else_and_schedules_nothing(self) -> None:
+        self.sem = PositionedSemaphore(1, self.clock, report_interval=0.5)
+        self.sem.acquire_in_line(client="chat")
+        _, first = self.waiter("chat")
+        _, nightly = self.waiter("nightly", BATCH)
+        self.assertEqual((first, nightly), ([1], [2]))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_ageing_into_a_better_class_tells_those_passed_at_once(self) -> None:
+        self.sem.acquire_in_line(client="chat")
+        _, nightly = self.waiter("nightly", BATCH)
+        self.clock.advance(5)
+        _, chat = self.waiter("chat")
+        self.assertEqual((nightly, chat), ([1, 2], [1]))
+        self.clock.advance(0.5)  # the pass: nothing fell
+        self.clock.advance(4.5)  # nightly has waited 10 s: it is served as normal, and earlier
+        self.assertEqual(chat, [1, 2])
+        self.assertEqual(nightly, [1, 2], "the fall waits for the pass")
+        self.clock.advance(0.5)
+        self.assertEqual(nightly, [1, 2, 1])
+
+    def test_a_release_whose_correction_moves_a_client_back_tells_it_at_once(self) -> None:
+        """Both clients were charged 1 s a grant; a's slot was held 10 s, so a's waiters go
+        behind b's."""
+        sem = self.sem = PositionedSemaphore(2, self.clock, report_interval=0.5)
+        held = self.successResultOf(sem.acquire_in_line(client="a"))
+        sem.acquire_in_line(client="b")
+        (_, a1), (_, b1), (_, a2), (_, b2) = (self.waiter(c) for c in "abab")
+        self.assertEqual((a1, b1, a2, b2), ([1], [2], [3], [4]))
+        self.clock.advance(10)
+        held.release()  # b1 gets the slot; a1 now waits behind b2
+        self.assertEqual((a1, b1, a2, b2), ([1, 2], [2, 1], [3], [4]))
+        self.clock.advance(0.5)
+        self.assertEqual((a1, a2, b2), ([1, 2], [3], [4, 1]))
+
+    def test_a_plain_fifo_walks_the_line_only_in_the_coalesced_pass(self) -> None:
+        """One client, one class: arrivals, grants and cancels walk nothing; one pass walks once."""
+        walks = []
+        order = self.sem.line.order
+        self.sem.line.order = lambda now: walks.append(now) or order(now)  # type: ignore[method-assign]
+        self.sem.acquire_in_line(client="only")
+        waiters = [self.waiter("only") for _ in range(50)]
+        self.sem.release()
+        cancelled = waiters[5][0]
+        cancelled.addErrback(lambda _: None)  # type: ignore[attr-defined]
+        cancelled.cancel()  # type: ignore[attr-defined]
+        self.assertEqual(walks, [])
+        self.clock.advance(0.5)
+        self.assertEqual(len(walks), 1)
+        self.assertEqual(waiters[-1][1], [50, 48])
 
 
 class Scale(TestCase):

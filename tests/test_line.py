@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,7 @@ class LineUnit(TestCase):
         for name in "abcd":
             line.join(name, "c", NORMAL, 0.0)
         self.assertEqual(list(line.order(0.0)), list("abcd"))
-        self.assertEqual(line.position("d", 0.0), 4)
+        self.assertEqual(line.queues, 1)
         popped = [line.pop(100.0) for _ in range(4)]
         self.assertEqual([p[0] for p in popped if p], list("abcd"))
         self.assertIsNone(line.pop(100.0))
@@ -50,6 +52,17 @@ class LineUnit(TestCase):
         self.assertEqual(list(line.order(10.0)), ["old-batch", "new-normal"])
         self.assertEqual(line.next_aging(9.0), 10.0)
 
+    def test_next_aging_sees_a_later_arrival_cross_before_an_earlier_one_crosses_again(
+        self,
+    ) -> None:
+        line: Line[str] = Line(aging=10)
+        line.join("b1", "a", BATCH, 0.0)
+        line.join("b2", "a", BATCH, 1.0)
+        line.join("n", "b", NORMAL, 0.5)
+        self.assertEqual(
+            line.next_aging(10.5), 11.0, "b2 becomes normal at 11, b1 interactive at 20"
+        )
+
     def test_a_client_that_held_slots_longer_waits_behind_one_that_did_not(self) -> None:
         line: Line[str] = Line()
         heavy = line.admit("heavy", NORMAL, 0.0)
@@ -59,11 +72,94 @@ class LineUnit(TestCase):
         line.join("l1", "light", NORMAL, 31.0)
         self.assertEqual(list(line.order(31.0)), ["l1", "h1", "h2"])
 
+    def test_a_waiter_leaving_can_move_another_client_back(self) -> None:
+        """b1's grant would have advanced the virtual time; without it a2 and a3 start before c1:
+        why a cancel is followed by a walk for rises while more than one client waits."""
+        line: Line[str] = Line()
+        for at, (name, client, rank) in enumerate(
+            [("a1", "a", INTERACTIVE), ("c1", "c", BATCH), ("a2", "a", BATCH), ("a3", "a", BATCH)]
+        ):
+            line.join(name, client, rank, at / 10)
+        popped = line.pop(0.4)
+        assert popped is not None
+        line.settle(popped[1], 0.0)  # a1 held its slot for no time: a owes nothing
+        for at, (name, client) in enumerate([("c2", "c"), ("b1", "b"), ("b2", "b")], start=5):
+            line.join(name, client, INTERACTIVE, at / 10)
+        self.assertEqual(list(line.order(1.0)), ["c2", "b1", "b2", "c1", "a2", "a3"])
+        self.assertTrue(line.leave("b1"))
+        self.assertEqual(list(line.order(1.0)), ["c2", "b2", "a2", "a3", "c1"], "c1: 4 -> 5")
+
     def test_idle_clients_are_forgotten_and_bank_no_credit(self) -> None:
         line: Line[str] = Line()
         grant = line.admit("a", NORMAL, 0.0)
         line.settle(grant, 0.0)
         self.assertEqual(line._clients, {})  # nothing owed, nothing waiting: nothing kept
+
+
+line_op = st.one_of(
+    st.tuples(
+        st.just("join"),
+        st.sampled_from("abc"),
+        st.sampled_from([INTERACTIVE, NORMAL, BATCH]),
+    ),
+    st.tuples(st.just("pop"), st.sampled_from([0.0, 0.5, 1.0, 4.0])),  # the slot time it will hold
+    st.tuples(st.just("leave"), st.integers(0, 60)),
+    st.tuples(st.just("settle"), st.integers(0, 60)),
+    st.tuples(st.just("wait"), st.sampled_from([0.0, 0.3, 1.0, 2.5, 7.0])),
+)
+
+
+class LineMovesNobodyBackButWhenItSays(TestCase):
+    """What the limiter relies on to tell every rise at once and walk nothing when nobody can
+    have risen: which operations can move a waiter back (a higher position), and when."""
+
+    @settings(max_examples=300)
+    @given(
+        st.lists(line_op, max_size=80),
+        st.sampled_from([None, 1.0, 3.0]),
+        st.sampled_from([{}, {"a": 3.0}, {"b": 0.5}]),
+    )
+    def test_each_operation(
+        self, ops: list[Any], aging: float | None, weights: dict[str, float]
+    ) -> None:
+        line: Line[int] = Line(aging=aging, weights=weights)
+        now = 0.0
+        grants: list[tuple[Any, float]] = []
+        for n, op in enumerate(ops):
+            before = list(line.order(now))
+            if op[0] == "join":
+                line.join(n, op[1], op[2], now)
+                after = list(line.order(now))
+                place = after.index(n)
+                self.assertEqual(after[:place], before[:place], "moved someone ahead of it")
+                if place == len(before):
+                    self.assertEqual(after[:place], before, "went last yet moved someone")
+            elif op[0] == "pop":
+                popped = line.pop(now)
+                if popped is None:
+                    self.assertEqual(before, [])
+                    continue
+                self.assertEqual(popped[0], before[0])
+                self.assertEqual(list(line.order(now)), before[1:], "a grant moved someone")
+                grants.append((popped[1], op[1]))
+            elif op[0] == "leave" and before:
+                gone = before[op[1] % len(before)]
+                if not line.leave(gone):
+                    self.assertEqual(list(line.order(now)), [i for i in before if i != gone])
+            elif op[0] == "settle" and grants:
+                grant, held = grants.pop(op[1] % len(grants))
+                if not line.settle(grant, held):
+                    self.assertEqual(list(line.order(now)), before, "settled without a word")
+            elif op[0] == "wait":
+                until = now + op[1]
+                at = line.next_aging(now)
+                if at is None or at > until:
+                    self.assertEqual(list(line.order(until)), before, "aged with no warning")
+                else:
+                    self.assertGreater(at, now)
+                    self.assertEqual(list(line.order(math.nextafter(at, -math.inf))), before)
+                    self.assertNotEqual(line.waiting_by_class(at), line.waiting_by_class(now))
+                now = until
 
 
 @dataclass
@@ -124,47 +220,81 @@ arrival = st.tuples(
 )
 
 
+class EventClock(Clock):
+    """A Clock that runs `after_each` after every call it fires, so a test can look at the line
+    after each event (a release, a cancel, an aging timer, a renumbering pass), not once a step.
+    `step` moves to the next call's time or by `most`, whichever is sooner, so that each call
+    runs at its own time as under a reactor that keeps up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_each: Callable[[], None] = lambda: None
+
+    def callLater(self, delay: float, f: Callable[..., object], *a: object, **kw: object) -> Any:
+        def event() -> None:
+            f(*a, **kw)
+            self.after_each()
+
+        return super().callLater(delay, event)
+
+    def step(self, most: float) -> None:
+        soonest = min((call.getTime() for call in self.calls), default=math.inf)
+        self.advance(min(most, soonest - self.seconds()))
+
+    def mid_turn(self) -> bool:
+        """Another call is due now: the reactor turn that runs this instant is not over."""
+        return bool(self.calls) and self.calls[0].getTime() <= self.seconds()
+
+
 class LimiterProperties(TestCase):
-    @settings(max_examples=60)
-    @given(st.lists(arrival, min_size=1, max_size=40), st.integers(1, 3))
+    @settings(max_examples=80)
+    @given(
+        st.lists(arrival, min_size=1, max_size=40),
+        st.integers(1, 3),
+        st.sampled_from([1.0, 4.0]),
+        st.sampled_from([{}, {"a": 3.0}]),
+    )
     def test_work_conserving_fifo_per_client_and_honest_positions(
-        self, arrivals: list[Any], slots: int
+        self, arrivals: list[Any], slots: int, aging: float, weights: dict[str, float]
     ) -> None:
-        sim = Sim(slots, aging=4.0)
+        """After every event (once the calls due at that instant have run, as within one reactor
+        turn) no waiter's last reported position is lower than its true one, and a fall is told
+        within the pass interval."""
+        clock = EventClock()
+        sim = Sim(slots, aging=aging, weights=weights, clock=clock)
         history: deque[tuple[float, dict[int, int]]] = deque()
+
+        def check() -> None:
+            truth = sim.truth()
+            history.append((clock.seconds(), truth))
+            if clock.mid_turn():
+                return
+            for i, position in truth.items():
+                self.assertGreaterEqual(sim.reports[i][-1][1], position, "lower than the truth")
+
+        clock.after_each = check
         script = deque(enumerate(arrivals))
         next_at = 0.0
-        renumber = sim.sem._renumber
-
-        def sampled_renumber() -> None:  # the truth a pass sees, however briefly it held
-            history.append((sim.clock.seconds(), sim.truth()))
-            renumber()
-
-        sim.sem._renumber = sampled_renumber  # type: ignore[method-assign]
         while script or sim.pending or sim.sem.in_use:
-            now = sim.clock.seconds()
-            history.append((now, sim.truth()))  # the truth just before this instant's arrivals
+            now = clock.seconds()
             while script and now >= next_at:
                 i, (_gap, client, rank, hold, gives_up) = script.popleft()
                 sim.arrive(i, client, rank, hold)
                 if gives_up and i in sim.pending:
-                    sim.clock.callLater(2.5, sim.pending[i].cancel)
+                    clock.callLater(2.5, sim.pending[i].cancel)
                 next_at = now + (script[0][1][0] if script else 0)
-                history.append((now, sim.truth()))
+                check()
                 newcomer = sim.reports[i]
                 if newcomer:
                     self.assertEqual(newcomer[0][1], sim.truth()[i], "a newcomer's first report")
             sim.check_idle_slots(self)
-            truth = sim.truth()
-            history.append((now, truth))
             while history and history[0][0] < now - INTERVAL - STEP:
                 history.popleft()
             for i in sim.pending:
-                reported = sim.reports[i][-1][1]
                 seen = [t[i] for _, t in history if i in t]
-                self.assertGreaterEqual(reported, min(seen), "lower than the truth in the bound")
-                self.assertLessEqual(reported, max(seen), "staler than the bound")
-            sim.clock.advance(STEP)
+                self.assertLessEqual(sim.reports[i][-1][1], max(seen), "staler than the bound")
+            clock.step(STEP)
+            check()
         for i, _, _, _ in sim.granted:
             self.assertEqual(sim.reports[i][-1][1] if sim.reports[i] else 1, 1)
         for client in "abc":

@@ -3,19 +3,29 @@
 Who gets a freed slot is `line.Line`'s decision (classes, aging, fair share, FIFO within a
 client); this module is the Twisted layer around it: Deferreds, the clock, position reports.
 
-Renumbering every waiter on every change costs a frame per waiter per change, quadratic in the
-queue length. Instead a change only schedules one renumbering pass `report_interval` later,
-which tells each waiter whose position moved its new one: a reported position is the truth as
-it stood at most `report_interval` ago. Positions usually fall; one can rise (an interactive
-request or a quieter client's request arrives, a waiter ages into a better class) and the rise
-is told within the same bound. A newcomer is told its exact position at once, and the waiter
-that gets a slot is told position 1 first if it had not been, so a client always sees its
-position reach 1 before its answer starts.
+The guarantee: a reported position is never lower than the truth, at any moment, and a fall is
+told within `report_interval` (0.4 s).
+
+Falls are the common case (a slot frees, a waiter ahead gives up) and are coalesced:
+renumbering every waiter on every change costs a frame per waiter per change, quadratic in the
+queue length, so a change only schedules one renumbering pass `report_interval` later, which
+tells each waiter whose position moved its new one. A rise cannot wait for that pass, or the
+client would be shown a better place than it has. Four events can raise a position
+(`line.Line` says when, and the tests hold it to that): a newcomer that does not go last (an
+interactive request, a quieter client's request), a waiter ageing into a better class (a timer
+at `Line.next_aging`), and, while more than one client waits, a release (its fair-share
+correction) or a cancel (a client's later waiters and the virtual time move up). Each is
+followed, in the same reactor turn, by one walk of the order that tells only the waiters whose
+position rose (for a newcomer, only those behind it). Everything else (a grant, a newcomer that
+goes last, any change while one client waits, so the plain FIFO of one client and one class)
+walks nothing extra. A newcomer is told its exact position at once,
+and the waiter that gets a slot is told position 1 first if it had not been, so a client always
+sees its position reach 1 before its answer starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
@@ -57,10 +67,10 @@ class Slot:
             return
         self.released = True
         held = self.semaphore.clock.seconds() - self.granted_at
-        self.semaphore.line.settle(self.grant, held)
+        reordered = self.semaphore.line.settle(self.grant, held)
         if self.on_release is not None:
             self.on_release(held)
-        self.semaphore.release()
+        self.semaphore._give_back(reordered)
 
 
 class PositionedSemaphore(DeferredSemaphore):
@@ -111,7 +121,13 @@ class PositionedSemaphore(DeferredSemaphore):
         loses a place, and a client now over its max_waiting keeps the requests it has queued."""
         self.line.configure(aging=aging, weights=weights)
         self.max_waiting = dict(max_waiting)
+        now = self.clock.seconds()
+        self._tell_rises(now)
         self._changed()
+        if self._aging is not None:  # a shorter period may age someone sooner
+            self._aging.cancel()
+            self._aging = None
+        self._watch_aging(now)
 
     def acquire(self) -> Deferred[DeferredSemaphore]:
         """DeferredSemaphore's acquire, as an anonymous `normal` waiter."""
@@ -149,22 +165,41 @@ class PositionedSemaphore(DeferredSemaphore):
         self.waiting.append(d)
         if on_position is None and not self._listeners:
             return d
-        position = self.line.position(d, now)
         if on_position is not None:
             self._listeners[d] = on_position
-            self._tell(d, position)
             d.addBoth(self._leave_line, d)
-        if position != len(self.line):
-            self._changed()  # it went ahead of someone: they learn it in the next pass
+        if self.line.queues == 1:  # a plain FIFO: the newcomer is its tail
+            if on_position is not None:
+                self._tell(d, len(self.line))
+        else:
+            self._place(d, now)
         self._watch_aging(now)
         return d
 
+    def _place(self, d: Deferred[Slot], now: float) -> None:
+        """Tell a newcomer its place and, in the same walk, those it went ahead of their new
+        one: nobody ahead of it moved."""
+        places = enumerate(self.line.order(now), start=1)
+        position = next(place for place, waiter in places if waiter is d)
+        if d in self._listeners:
+            self._tell(d, position)
+        if position < len(self.line):
+            self._raise(places)
+            self._changed()  # its client's later waiters went back: others may have moved up
+
     def release(self) -> None:
         """Free one slot: the line's next waiter gets it at once (synchronously)."""
+        self._give_back(reordered=False)
+
+    def _give_back(self, reordered: bool) -> None:
+        """`release`, after a `Line.settle` that may have `reordered` the line: then those
+        moved back learn it now (a grant itself moves nobody back)."""
         assert self._held > 0, "release without a held slot"
         self._held -= 1
         self.tokens = max(0, self.limit - self._held)
         self._hand_over()
+        if reordered:
+            self._tell_rises(self.clock.seconds())
         self._changed()
 
     def _hand_over(self) -> None:
@@ -185,8 +220,10 @@ class PositionedSemaphore(DeferredSemaphore):
             self.waiting.remove(d)
 
     def _cancelAcquire(self, d: Deferred[Slot]) -> None:  # type: ignore[override]
-        self.line.leave(d)
+        reordered = self.line.leave(d)
         self._remove_waiting(d)
+        if reordered:
+            self._tell_rises(self.clock.seconds())
         self._changed()
 
     def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
@@ -208,15 +245,26 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _renumber(self) -> None:
         self._pass = None
-        now = self.clock.seconds()
         listeners, reported = self._listeners, self._reported
-        for position, d in enumerate(self.line.order(now), start=1):
+        for position, d in enumerate(self.line.order(self.clock.seconds()), start=1):
             if d in listeners and reported[d] != position:
                 self._tell(d, position)
-        self._watch_aging(now)
+
+    def _tell_rises(self, now: float) -> None:
+        """After an event that may have moved waiters back: tell those now."""
+        if self._listeners and self.line.queues > 1:
+            self._raise(enumerate(self.line.order(now), start=1))
+
+    def _raise(self, places: Iterator[tuple[int, Deferred[Slot]]]) -> None:
+        """Tell each listening waiter whose place is now higher than its last report; falls
+        wait for the coalesced pass."""
+        reported = self._reported
+        for position, d in places:
+            if reported.get(d, position) < position:
+                self._tell(d, position)
 
     def _watch_aging(self, now: float) -> None:
-        """Renumber when the next waiter ages into a better class, if that can reorder."""
+        """Wake when the next waiter ages into a better class, if that can reorder."""
         if not self._listeners:
             return
         at = self.line.next_aging(now)
@@ -230,7 +278,10 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _aged(self) -> None:
         self._aging = None
+        now = self.clock.seconds()
+        self._tell_rises(now)
         self._changed()
+        self._watch_aging(now)
 
     def fail_waiting(self, reason: Exception) -> None:
         """Empty the line, failing every waiter with `reason` (shutdown)."""

@@ -20,11 +20,25 @@ The order, best first:
 
 With one client and one class every step above is a tie but the last: the line is a FIFO, and
 every operation on it is O(1) except `order`, which is one O(n) walk.
+
+What can move a waiter *back* (a higher position) matters to the limiter, which must say so at
+once, so the line tells it, and the tests hold it to this:
+
+- `join` moves back only those behind the newcomer in the new order: everyone ahead keeps
+  their place. A newcomer that goes last moves nobody.
+- `pop` takes the head of `order` and leaves the rest in the same order.
+- `leave` and `settle` can move anyone either way, but only while more than one client waits
+  (one client's order is its classes and arrival times alone), and `settle` only when its own
+  client still waits (a client's virtual finish places nothing but its own waiters). Both return
+  whether they may have.
+- Time moves nobody but at `next_aging`, when some waiter ages into a better class.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -87,6 +101,7 @@ class Line(Generic[T]):
         self._waiters: dict[T, Waiter[T]] = {}
         self._virtual = 0.0
         self._queues = 0  # non-empty (client, class) FIFOs
+        self._busy = 0  # clients with a waiter
 
     def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
         """New aging and weights (config reload): waiters keep their place in their queues; the
@@ -101,6 +116,11 @@ class Line(Generic[T]):
 
     def __contains__(self, item: object) -> bool:
         return item in self._waiters
+
+    @property
+    def queues(self) -> int:
+        """Non-empty (client, class) FIFOs: with one, the line is that FIFO."""
+        return self._queues
 
     def _client(self, name: str) -> _Client:
         client = self._clients.get(name)
@@ -121,10 +141,14 @@ class Line(Generic[T]):
             queue = state.queues[rank] = deque()
             self._queues += 1
         queue.append(waiter)
+        if not state.waiting:
+            self._busy += 1
         state.waiting += 1
 
-    def leave(self, item: T) -> None:
-        """Remove a waiter that gave up (cancelled, timed out). O(its client's queue)."""
+    def leave(self, item: T) -> bool:
+        """Remove a waiter that gave up (cancelled, timed out). O(its client's queue). True if
+        that may have moved another waiter back: its client's later waiters and the virtual
+        time it would have advanced no longer count, so others can pass one another."""
         waiter = self._waiters.pop(item)
         state = self._clients[waiter.client]
         queue = state.queues[waiter.rank]
@@ -133,9 +157,12 @@ class Line(Generic[T]):
         else:
             queue.remove(waiter)
         self._forget(state, waiter)
+        return self._busy > 1
 
     def _forget(self, state: _Client, waiter: Waiter[T]) -> None:
         state.waiting -= 1
+        if not state.waiting:
+            self._busy -= 1
         if not state.queues[waiter.rank]:
             del state.queues[waiter.rank]
             self._queues -= 1
@@ -182,13 +209,18 @@ class Line(Generic[T]):
         state.finish = start + state.estimate / state.weight
         return Grant(client, rank, state.estimate)
 
-    def settle(self, grant: Grant, held: float) -> None:
-        """Correct a grant's charge with the time its slot was really held."""
+    def settle(self, grant: Grant, held: float) -> bool:
+        """Correct a grant's charge with the time its slot was really held. True if that may
+        have reordered the line: the client's finish and estimate place only its own waiters,
+        so only when it has some and another client waits too."""
         state = self._client(grant.client)
         state.finish += (held - grant.charged) / state.weight
         state.estimate += ESTIMATE_SMOOTHING * (held - state.estimate)
-        if not state.waiting and not state.queues and state.finish <= self._virtual:
-            del self._clients[grant.client]
+        if not state.waiting:
+            if state.finish <= self._virtual:
+                del self._clients[grant.client]
+            return False
+        return self._busy > 1
 
     def order(self, now: float) -> Iterator[T]:
         """Everyone waiting, in the order they would be served if nothing else arrived and no
@@ -236,39 +268,31 @@ class Line(Generic[T]):
             else:
                 heapq.heappop(heap)
 
-    def position(self, item: T, now: float) -> int:
-        """One waiter's 1-based place in `order`: O(1) at the tail of a single queue, else a
-        walk that stops at the waiter."""
-        waiter = self._waiters[item]
-        state = self._clients[waiter.client]
-        if self._queues == 1 and state.queues[waiter.rank][-1] is waiter:
-            return len(self._waiters)
-        for place, other in enumerate(self.order(now), start=1):
-            if other is item:
-                return place
-        raise KeyError(item)
-
     def next_aging(self, now: float) -> float | None:
-        """When the next waiter moves up a class, if that can change the order (more than one
-        queue waits); the limiter renumbers then."""
-        if self.aging is None:
+        """The first moment after `now` at which some waiter is served as a better class, if
+        that can change the order (more than one queue waits): until then time moves nobody.
+        Exact to the float, so that at the returned moment `order` has really changed."""
+        if self.aging is None or self._queues < 2:
             return None
-        if self._queues < 2:
-            return None
-        queues = [queue for state in self._clients.values() for queue in state.queues.values()]
+        aging = self.aging
         soonest: float | None = None
-        for queue in queues:
-            for waiter in queue:
-                if waiter.rank == 0:
-                    break
-                waited = now - waiter.arrived
-                steps = int(waited // self.aging) + 1
-                if steps > waiter.rank:
-                    continue
-                at = waiter.arrived + steps * self.aging
-                if soonest is None or at < soonest:
-                    soonest = at
-                break  # later arrivals in this FIFO cross later
+        for state in self._clients.values():
+            for queue in state.queues.values():
+                rank = queue[0].rank
+                for steps in range(1, rank + 1):
+                    # The FIFO is in arrival order, so those that waited `steps` periods are a
+                    # prefix; the first after it is the next to cross that many.
+                    better = rank - steps
+                    first = bisect_left(
+                        queue,
+                        True,
+                        key=lambda w: effective_rank(rank, now - w.arrived, aging) > better,
+                    )
+                    if first == len(queue):
+                        continue
+                    at = _crossing(queue[first], better, steps * aging, aging)
+                    if soonest is None or at < soonest:
+                        soonest = at
         return soonest
 
     def waiting_by_class(self, now: float) -> dict[str, int]:
@@ -280,3 +304,18 @@ class Line(Generic[T]):
 
     def waiting_by_client(self) -> dict[str, int]:
         return {name: state.waiting for name, state in self._clients.items() if state.waiting}
+
+
+def _crossing(waiter: Waiter, better: int, after: float, aging: float) -> float:
+    """The first float moment at which `waiter` is served as class `better`, about `after`
+    seconds after it arrived: `effective_rank` decides, not the arithmetic."""
+
+    def crossed(at: float) -> bool:
+        return effective_rank(waiter.rank, at - waiter.arrived, aging) <= better
+
+    at = waiter.arrived + after
+    while not crossed(at):
+        at = math.nextafter(at, math.inf)
+    while crossed(earlier := math.nextafter(at, -math.inf)):
+        at = earlier
+    return at
