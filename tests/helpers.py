@@ -15,6 +15,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.internet.task import deferLater
+from twisted.logger import globalLogPublisher
 from twisted.protocols.policies import WrappingFactory
 from twisted.trial.unittest import TestCase
 
@@ -268,3 +269,16 @@ def chat(
         "messages": [{"role": "user", "content": content}],
         **extra,
     }
+
+
+def capture_request_log(test: Any) -> list[dict[str, Any]]:
+    """The request log events (`homelab_gateway.requests`) emitted while `test` runs."""
+    logged: list[dict[str, Any]] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "homelab_gateway.requests":
+            logged.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    test.addCleanup(globalLogPublisher.removeObserver, observe)
+    return logged

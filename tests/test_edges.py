@@ -14,7 +14,7 @@ from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import formatEvent, globalLogPublisher
 
 from homelab_gateway.telemetry import loggable
-from tests.helpers import RawResponse, chat, raw_request, wait_for
+from tests.helpers import RawResponse, capture_request_log, chat, raw_request, wait_for
 from tests.test_llm import LLMSurface
 from tests.test_operations import metric
 from tests.test_proxy import async_test
@@ -43,14 +43,7 @@ class ModelNames(LLMSurface):
 
     def setUp(self) -> None:
         super().setUp()
-        self.logged: list[dict[str, Any]] = []
-
-        def observe(event: dict[str, Any]) -> None:
-            if event.get("log_namespace") == "homelab_gateway.requests":
-                self.logged.append(event)
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        self.logged = capture_request_log(self)
 
     async def scrape(self) -> str:
         response = raw_request(self.port, "GET", "/metrics")

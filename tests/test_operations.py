@@ -10,11 +10,17 @@ from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.logger import globalLogPublisher
 
 from homelab_gateway.access import AccessPolicy
 from tests.grammar import check_stream
-from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
+from tests.helpers import (
+    Servers,
+    capture_request_log,
+    chat,
+    gateway_document,
+    raw_request,
+    wait_for,
+)
 from tests.test_llm import LLMSurface
 from tests.test_proxy import async_test
 
@@ -113,14 +119,7 @@ class Metrics(LLMSurface):
 class RequestLog(LLMSurface):
     def setUp(self) -> None:
         super().setUp()
-        self.logged: list[dict[str, Any]] = []
-
-        def observe(event: dict[str, Any]) -> None:
-            if event.get("log_namespace") == "homelab_gateway.requests":
-                self.logged.append(event)
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        self.logged = capture_request_log(self)
 
     @async_test
     async def test_one_event_per_request_with_the_fields_and_no_secrets(self) -> None:
