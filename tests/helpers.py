@@ -227,7 +227,6 @@ def raw_request(
 
     `length=False` sends the body as given with no Content-Length of ours (chunked, or a
     header in `headers` that the body does not live up to)."""
-    protocol = RawResponse()
     payload = (
         b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     )
@@ -244,12 +243,18 @@ def raw_request(
             lines.append(f"Content-Length: {len(payload)}")
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+    return send_raw(port, request)
+
+
+def send_raw(port: int, data: bytes = b"") -> RawResponse:
+    """A connection that sends exactly `data` (maybe nothing) and keeps listening."""
+    protocol = RawResponse()
 
     class Factory(ClientFactory):
         def buildProtocol(self, addr: Any) -> Protocol:
             return protocol
 
-    protocol.connectionMade = lambda: protocol.transport.write(request)  # type: ignore[method-assign]
+    protocol.connectionMade = lambda: protocol.transport.write(data)  # type: ignore[method-assign]
     reactor.connectTCP("127.0.0.1", port, Factory())
     return protocol
 

@@ -10,11 +10,17 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet import reactor
-from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import formatEvent, globalLogPublisher
 
 from homelab_gateway.telemetry import loggable
-from tests.helpers import RawResponse, capture_request_log, chat, raw_request, wait_for
+from tests.helpers import (
+    RawResponse,
+    capture_request_log,
+    chat,
+    raw_request,
+    send_raw,
+    wait_for,
+)
 from tests.test_llm import LLMSurface
 from tests.test_operations import metric
 from tests.test_proxy import async_test
@@ -99,19 +105,6 @@ def test_anything_loggable_is_one_encodable_bounded_line(text: str) -> None:
     assert shown == text or len(text) > 50 or not text.isprintable()
 
 
-def connect(port: int, data: bytes = b"") -> RawResponse:
-    """A connection that sends exactly `data` (maybe nothing) and keeps listening."""
-    protocol = RawResponse()
-
-    class Factory(ClientFactory):
-        def buildProtocol(self, addr: Any) -> Protocol:
-            return protocol
-
-    protocol.connectionMade = lambda: protocol.transport.write(data)  # type: ignore[method-assign]
-    reactor.connectTCP("127.0.0.1", port, Factory())
-    return protocol
-
-
 class SilentConnections(LLMSurface):
     """Twisted's idle timeout is 60 s whatever `request_timeout` says: a generous bound far
     below that shows the gateway's own limit acted."""
@@ -124,13 +117,13 @@ class SilentConnections(LLMSurface):
 
     @async_test
     async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(self) -> None:
-        connection = connect(self.port)
+        connection = send_raw(self.port)
         await self.closed_soon(connection)
         self.assertEqual(connection.raw, b"")
 
     @async_test
     async def test_an_idle_keep_alive_connection_is_closed_after_its_answer(self) -> None:
-        connection = connect(self.port, b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+        connection = send_raw(self.port, b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
         await connection.until(lambda: connection.raw.endswith(b"0\r\n\r\n"))
         await self.closed_soon(connection)
         self.assertEqual(connection.raw.count(b"HTTP/1.1 "), 1, connection.raw)
@@ -139,7 +132,7 @@ class SilentConnections(LLMSurface):
     @async_test
     async def test_keep_alive_still_serves_the_next_request(self) -> None:
         request = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"
-        connection = connect(self.port, request)
+        connection = send_raw(self.port, request)
         await connection.until(lambda: connection.raw.count(b"0\r\n\r\n") == 1)
         connection.transport.write(request)
         await connection.until(lambda: connection.raw.count(b"0\r\n\r\n") == 2)
@@ -189,7 +182,7 @@ class Refusals(LLMSurface):
 
     @async_test
     async def test_a_malformed_request_gets_a_json_400(self) -> None:
-        connection = connect(self.port, b"NONSENSE\r\n\r\n")
+        connection = send_raw(self.port, b"NONSENSE\r\n\r\n")
         await connection.closed
         self.assert_json_error(connection, 400, anthropic=False)
         self.assertTrue(connection.header("request-id").startswith("req_"))
@@ -213,7 +206,7 @@ class Refusals(LLMSurface):
     async def test_a_non_utf8_escape_gets_a_json_400_and_no_traceback(self) -> None:
         self.assert_json_error(await self.get("/openai/%ff"), 400, anthropic=False)
         self.assert_json_error(await self.get("/llm/v1/models/%c3"), 400, anthropic=True)
-        connection = connect(self.port, b"GET /healthz HTTP/1.1\r\nHost: \xff\r\n\r\n")
+        connection = send_raw(self.port, b"GET /healthz HTTP/1.1\r\nHost: \xff\r\n\r\n")
         await connection.until(lambda: connection.raw.endswith(b"\r\n0\r\n\r\n"))
         connection.transport.loseConnection()
         await connection.closed
