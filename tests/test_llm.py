@@ -268,9 +268,16 @@ class Errors(LLMSurface):
         await self.settled()
 
     @async_test
-    async def test_unreachable_upstream_is_502(self) -> None:
-        self.servers.gateway.pools["vllm"].upstream.url = "http://127.0.0.1:1/v1"
-        self.assertIn("unreachable", await self.error(chat(), 502, "api_error"))
+    async def test_unreachable_upstream_is_waited_for_then_529(self) -> None:
+        """Nothing was sent to a refusing upstream, so the request waits for it to come back
+        (a restarting box) until its queue_timeout, then hears why."""
+        pool = self.servers.gateway.pools["vllm"]
+        pool.upstream.url = "http://127.0.0.1:1/v1"
+        pool.queue_timeout = 0.5
+        message = await self.error(chat(stream=False), 529, "overloaded_error")
+        self.assertIn("out of rotation", message)
+        self.assertIn("connection refused", message)
+        self.assertEqual(pool.replica.circuit.state, "down")
         await self.settled()
 
     @async_test
@@ -325,11 +332,19 @@ class Catalogue(LLMSurface):
                     "vllm": {
                         "slots": 2,
                         "in_use": 0,
+                        "health": "up",
+                        "down_since": None,
+                        "retry_at": None,
+                        "last_error": None,
+                        "fallback": False,
+                        "models": ["reasoning"],
+                        "line": "vllm",
                         "waiting": 0,
                         "waiting_by_class": {"interactive": 0, "normal": 0, "batch": 0},
                         "waiting_by_client": {},
                     }
-                }
+                },
+                "models": {"reasoning": {"upstreams": ["vllm"], "line": "vllm", "waiting": 0}},
             },
         )
 

@@ -40,6 +40,9 @@ class UpstreamConfig:
     queue_timeout: float = 600.0
     continuous_usage_stats: bool = True
     forward_priority: bool = False
+    fallback: bool = False  # takes a model's requests only when no other replica can
+    failures_to_open: int = 3  # failures in a row that take it out of rotation
+    cooldown: float = 30.0  # seconds out of rotation before one trial request
 
 
 SHOW_REASONING = ("always", "when_requested")
@@ -48,8 +51,10 @@ SHOW_REASONING = ("always", "when_requested")
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    upstream: str
+    upstream: str  # the first replica: what one-upstream readers (windows, routes) use
     upstream_model: str
+    upstreams: tuple[str, ...] = ()  # every replica, `upstream` first; () means (upstream,)
+    upstream_models: Mapping[str, str] = field(default_factory=dict)  # per-replica names
     params: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
     map_thinking: bool = False
@@ -58,6 +63,14 @@ class ModelConfig:
     strip_billing_header: bool = True
     show_reasoning: str = "always"  # "always" | "when_requested" (only with `thinking` on)
     context_window: int | None = None  # prompt + output tokens, where the upstream cannot say
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return self.upstreams or (self.upstream,)
+
+    def model_on(self, upstream: str) -> str:
+        """The name `upstream` serves this model under."""
+        return self.upstream_models.get(upstream, self.upstream_model)
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,7 @@ class ServerConfig:
     log_format: str = "text"
     cors_origins: tuple[str, ...] = ()
     trusted_proxies: tuple[str, ...] = ()  # networks, e.g. "127.0.0.1/32"
+    retries: int = 2  # extra attempts on another replica, only before any byte was answered
 
 
 @dataclass(frozen=True)
@@ -309,6 +323,7 @@ def _parse_server(section: _Section) -> ServerConfig:
         log_format=log_format,
         cors_origins=tuple(origins),
         trusted_proxies=tuple(proxies),
+        retries=section.integer("retries", defaults.retries, minimum=0),
     )
 
 
@@ -452,6 +467,9 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
             "queue_timeout",
             "continuous_usage_stats",
             "forward_priority",
+            "fallback",
+            "failures_to_open",
+            "cooldown",
         }
     )
     api_key = None
@@ -471,6 +489,9 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
         queue_timeout=section.seconds("queue_timeout", 600.0),
         continuous_usage_stats=section.boolean("continuous_usage_stats", True),
         forward_priority=section.boolean("forward_priority", False),
+        fallback=section.boolean("fallback", False),
+        failures_to_open=section.integer("failures_to_open", 3, minimum=1),
+        cooldown=section.seconds("cooldown", 30.0),
     )
 
 
@@ -488,7 +509,9 @@ def _parse_model(
     section.reject_unknown(
         {
             "upstream",
+            "upstreams",
             "upstream_model",
+            "upstream_models",
             "params",
             "max_tokens",
             "map_thinking",
@@ -511,9 +534,12 @@ def _parse_model(
         raise section.error(
             "upstream_model", "is required for a name pattern (the pattern is no model's name)"
         )
+    replicas = _replicas(section, upstreams)
     return ModelConfig(
         name=name,
-        upstream=_known_upstream(section, upstreams),
+        upstream=replicas[0],
+        upstreams=replicas,
+        upstream_models=_upstream_models(section, replicas),
         upstream_model=section.string("upstream_model", name),
         params=params,
         max_tokens=section.integer("max_tokens", None),
@@ -523,6 +549,36 @@ def _parse_model(
         show_reasoning=show_reasoning,
         context_window=section.integer("context_window", None),
     )
+
+
+def _replicas(section: _Section, upstreams: Mapping[str, UpstreamConfig]) -> tuple[str, ...]:
+    """`upstreams = [...]` (replicas) or `upstream = "x"` (one), never both."""
+    if "upstreams" not in section.table:
+        return (_known_upstream(section, upstreams),)
+    if "upstream" in section.table:
+        raise section.error("upstreams", "give either 'upstream' or 'upstreams', not both")
+    names = section.table["upstreams"]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise section.error("upstreams", "must be a non-empty array of upstream names")
+    for name in names:
+        if name not in upstreams:
+            known = ", ".join(sorted(upstreams)) or "none are configured"
+            raise section.error("upstreams", f"names unknown upstream {name!r} (known: {known})")
+    if len(set(names)) != len(names):
+        raise section.error("upstreams", "names an upstream twice")
+    return tuple(names)
+
+
+def _upstream_models(section: _Section, replicas: tuple[str, ...]) -> dict[str, str]:
+    names = section.table.get("upstream_models", {})
+    if not isinstance(names, dict) or not all(isinstance(v, str) and v for v in names.values()):
+        raise section.error("upstream_models", 'must be a table of upstream = "model name"')
+    for upstream in names:
+        if upstream not in replicas:
+            raise section.error(
+                "upstream_models", f"{upstream!r} is not one of this model's upstreams"
+            )
+    return dict(names)
 
 
 def _parse_route(section: _Section, upstreams: Mapping[str, UpstreamConfig]) -> RouteConfig:

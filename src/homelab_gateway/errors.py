@@ -30,6 +30,9 @@ ERROR_TYPES = {
 }
 
 
+RETRIED_STATUSES = frozenset({502, 503, 504})
+
+
 class GatewayError(Exception):
     def __init__(
         self,
@@ -39,6 +42,8 @@ class GatewayError(Exception):
         error_type: str | None = None,
         retry_after: int | None = None,
         outcome: str | None = None,
+        fault: str | None = None,
+        retry: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,6 +53,11 @@ class GatewayError(Exception):
         # For the request log and metrics: a client's mistake or the upstream's failure,
         # unless the raiser knows better (queue full, queue timeout, shutdown).
         self.outcome = outcome or ("bad_request" if status < 500 else "upstream_error")
+        # The replica's fault, counted against its health: "connect" (nothing was sent),
+        # "timeout" (no response headers in time), "reset" (the connection broke before
+        # them), "status" (a 5xx). `retry`: safe to send again elsewhere (see docs).
+        self.fault = fault
+        self.retry = retry
 
     def anthropic_body(self) -> dict[str, Any]:
         return error_event(self.error_type, self.message)
@@ -67,10 +77,17 @@ def upstream_http_error(status: int, body: bytes, headers_retry_after: str | Non
     """What an Anthropic client should see when the upstream refused the request with `status`."""
     message = f"upstream answered {status}: {upstream_message(body)}"
     retry_after = _seconds(headers_retry_after)
-    if status in (429, 503):
+    if status == 429:
         return GatewayError(529, message, retry_after=retry_after)
     if status in (400, 413, 422):
         return GatewayError(400 if status != 413 else 413, message)
+    if status >= 500:
+        # 502, 503 and 504 say the server (or the proxy before it) did not take the request
+        # on; any other 5xx may come from running it, and could fail the next replica too.
+        retry = status in RETRIED_STATUSES
+        if status == 503:
+            return GatewayError(529, message, retry_after=retry_after, fault="status", retry=retry)
+        return GatewayError(502, message, fault="status", retry=retry)
     return GatewayError(502, message)
 
 

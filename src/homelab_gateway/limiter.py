@@ -1,7 +1,16 @@
-"""Per-upstream slots: a DeferredSemaphore whose waiters learn their place in line.
+"""Slots and their line: a DeferredSemaphore whose waiters learn their place in line.
 
-Who gets a freed slot is `line.Line`'s decision (classes, aging, fair share, FIFO within a
-client); this module is the Twisted layer around it: Deferreds, the clock, position reports.
+One line serves the slots of one or more upstreams (`Replica`): a model with several replicas
+waits in one line and takes the first slot that frees on any of its replicas in rotation, and
+an upstream that serves several models shares its slots among them through that same line (the
+service puts upstreams that share a model in one line). Who gets a freed slot is `line.Line`'s
+decision (classes, aging, fair share, FIFO within a client), except that a waiter only takes a
+slot of its own replicas; which replica, and whether a replica is in rotation, is
+`replicas`'. This module is the Twisted layer around them: Deferreds, the clock, position
+reports, cool-down timers.
+
+A request retried after a failed attempt (`first=True`) waits ahead of the whole line: it had
+already reached the head once.
 
 The guarantee: a reported position is never lower than the truth, at any moment, and a fall is
 told within `report_interval` (0.4 s).
@@ -25,15 +34,20 @@ sees its position reach 1 before its answer starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from homelab_gateway.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
+from homelab_gateway.replicas import DOWN, UP, Circuit, Sessions, choose
 
 PositionListener = Callable[[int], None]
+HealthListener = Callable[["Replica", str, "str | None"], None]  # replica, new state, reason
 ANONYMOUS = ""  # the client of a plain `acquire`
 NORMAL = CLASS_RANK[DEFAULT_CLASS]
 
@@ -51,16 +65,64 @@ class ClientQueueFull(QueueFull):
         self.limit = limit
 
 
+@dataclass(eq=False)
+class Replica:
+    """One upstream's slots, and its health. It belongs to one line at a time (`group`); a
+    reload may move it to another, with the slots it holds."""
+
+    name: str
+    limit: int
+    fallback: bool = False
+    circuit: Circuit = field(default_factory=Circuit)
+    held: int = 0
+    group: PositionedSemaphore | None = None
+    owner: Any = None  # what the service keeps for this upstream (its Pool)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.limit - self.held)
+
+    def open_at(self, now: float) -> bool:
+        """Whether a request may start here now: a free slot, and in rotation."""
+        return self.held < self.limit and self.circuit.admits(now)
+
+
+@dataclass(slots=True)
+class _Want:
+    """What a waiter may take: slots of `among` (None: any replica of the line), preferably not
+    of `avoid` (replicas it already failed on), preferably where `session` was served last."""
+
+    among: frozenset[Replica] | None = None
+    avoid: frozenset[Replica] = frozenset()
+    session: str | None = None
+
+
 @dataclass
 class Slot:
-    """One granted slot. `release` gives it back once and settles its client's fair share with
-    the time it was really held."""
+    """One granted slot on `replica`. `release` gives it back once and settles its client's
+    fair share with the time it was really held; `succeeded` and `failed` tell the replica's
+    circuit what the request met there."""
 
     semaphore: PositionedSemaphore
     grant: Grant
     granted_at: float
+    replica: Replica
+    trial: bool = False  # the one request a half-open replica lets through
     on_release: Callable[[float], None] | None = None  # told the seconds the slot was held
     released: bool = False
+    judged: bool = False
+
+    def succeeded(self) -> None:
+        self.judged = True
+        change = self.replica.circuit.succeeded()
+        if change is not None:
+            self._line()._health_changed(self.replica, change, None)
+
+    def failed(self, reason: str) -> None:
+        self.judged = True
+        change = self.replica.circuit.failed(self.semaphore.clock.seconds(), reason)
+        if change is not None:
+            self._line()._health_changed(self.replica, change, reason)
 
     def release(self) -> None:
         if self.released:
@@ -70,17 +132,23 @@ class Slot:
         reordered = self.semaphore.line.settle(self.grant, held)
         if self.on_release is not None:
             self.on_release(held)
-        self.semaphore._give_back(reordered)
+        if self.trial and not self.judged:
+            self.replica.circuit.abandoned()
+        line = self._line()
+        line._give_back(self.replica, reordered and line is self.semaphore)
+
+    def _line(self) -> PositionedSemaphore:
+        return self.replica.group or self.semaphore
 
 
 class PositionedSemaphore(DeferredSemaphore):
-    """Slots with an ordered line and position reports. Keeps the base class's `limit`,
-    `tokens` (free slots) and `waiting` (the waiters' Deferreds, in arrival order) meaningful for
-    readers, and `acquire`/`release` working as DeferredSemaphore's."""
+    """Slots with an ordered line and position reports. Keeps the base class's `limit` (all
+    slots), `tokens` (free slots in rotation) and `waiting` (the waiters' Deferreds, in arrival
+    order) meaningful for readers, and `acquire`/`release` working as DeferredSemaphore's."""
 
     def __init__(
         self,
-        tokens: int,
+        tokens: int | Sequence[Replica],
         clock: IReactorTime,
         *,
         queue_limit: int | None = None,
@@ -88,29 +156,56 @@ class PositionedSemaphore(DeferredSemaphore):
         aging: float | None = None,
         weights: Mapping[str, float] = {},
         max_waiting: Mapping[str, int] = {},
+        on_health: HealthListener | None = None,
     ) -> None:
-        super().__init__(tokens)
+        members = [Replica(ANONYMOUS, tokens)] if isinstance(tokens, int) else list(tokens)
+        super().__init__(max(1, sum(m.limit for m in members)))
+        self.members = members
+        for member in members:
+            member.group = self
         self.clock = clock
         self.queue_limit = queue_limit
         self.report_interval = report_interval
         self.max_waiting = dict(max_waiting)
+        self.on_health = on_health
         self.line: Line[Deferred[Slot]] = Line(aging=aging, weights=weights)
-        self._held = 0
+        self.sessions = Sessions()
+        self._first: deque[Deferred[Slot]] = deque()  # retries, served before the line
+        self._retrying: dict[Deferred[Slot], tuple[str, int]] = {}  # their client and class
+        self._wants: dict[Deferred[Slot], _Want] = {}
+        self._choosy = 0  # waiters in `line` that cannot take every replica's slot
+        self._moved: dict[Deferred[Slot], PositionedSemaphore] = {}  # waiters a reload moved
+        self._turn = 0
         self._listeners: dict[Deferred[Slot], PositionListener] = {}
         self._reported: dict[Deferred[Slot], int] = {}
         self._pass: IDelayedCall | None = None
         self._aging: IDelayedCall | None = None
+        self._cooling: dict[Replica, IDelayedCall] = {}
         self.reports = 0  # position reports made: how many frames the coalescing saves
+        self._count()
 
     @property
     def in_use(self) -> int:
-        return self._held
+        return sum(m.held for m in self.members)
 
-    def resize(self, limit: int) -> None:
-        """Change the number of slots (config reload): more slots are granted at once to the
-        waiters next in line; fewer take effect as held slots are released, never revoked."""
-        self.limit = limit
-        self.tokens = max(0, limit - self._held)
+    @property
+    def name(self) -> str:
+        """Its upstreams' names, joined by '+': how status and metrics name a shared line."""
+        return "+".join(m.name for m in self.members)
+
+    def _count(self) -> None:
+        self.limit = max(1, sum(m.limit for m in self.members))
+        self.tokens = sum(m.free for m in self.members if m.circuit.state == UP)
+
+    def resize(self, limit: int, replica: Replica | None = None) -> None:
+        """Change the number of slots of `replica` (the only one, by default) on a config
+        reload: more slots are granted at once to the waiters next in line; fewer take effect
+        as held slots are released, never revoked."""
+        (replica or self.members[0]).limit = limit
+        self.refresh()
+
+    def refresh(self) -> None:
+        """After a change to the replicas (slots, membership, health): grant what is free."""
         self._hand_over()
         self._changed()
 
@@ -143,32 +238,52 @@ class PositionedSemaphore(DeferredSemaphore):
         *,
         client: str = ANONYMOUS,
         rank: int = NORMAL,
+        among: frozenset[Replica] | None = None,
+        avoid: frozenset[Replica] = frozenset(),
+        session: str | None = None,
+        first: bool = False,
     ) -> Deferred[Slot]:
-        """A slot for `client`'s request of class `rank`, telling `on_position` the waiter's
-        1-based place while it waits.
+        """A slot for `client`'s request of class `rank` on one of `among` (None: any of this
+        line's replicas), telling `on_position` the waiter's 1-based place while it waits.
+        `first` puts a retried request ahead of the line, past its limits.
 
         Raises QueueFull (ClientQueueFull for the client's own cap), without queueing, when no
         slot is free and the line (or the client's share of it) is full.
         """
         now = self.clock.seconds()
-        if self.tokens:
-            self.tokens -= 1
-            self._held += 1
-            return succeed(Slot(self, self.line.admit(client, rank, now), now))
-        if self.queue_limit is not None and len(self.line) >= self.queue_limit:
-            raise QueueFull()
-        limit = self.max_waiting.get(client)
-        if limit is not None and self.line.waiting_for(client) >= limit:
-            raise ClientQueueFull(client, limit)
+        if self.waiting:
+            self._hand_over()  # a cool-down that just ended serves those already waiting first
+        if among is not None and len(among) == len(self.members):
+            among = None
+        want = _Want(among, avoid, session) if among or avoid or session else None
+        candidates = self._open_for(want, now)
+        if candidates:
+            return succeed(self._grant(candidates, want, self.line.admit(client, rank, now), now))
+        if not first:
+            if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
+                raise QueueFull()
+            limit = self.max_waiting.get(client)
+            if limit is not None and self.line.waiting_for(client) >= limit:
+                raise ClientQueueFull(client, limit)
         d: Deferred[Slot] = Deferred(canceller=self._cancelAcquire)
-        self.line.join(d, client, rank, now)
+        if first:
+            self._first.append(d)
+            self._retrying[d] = (client, rank)
+        else:
+            self.line.join(d, client, rank, now)
+            if want is not None and (want.among is not None or want.avoid):
+                self._choosy += 1
+        if want is not None:
+            self._wants[d] = want
         self.waiting.append(d)
         if on_position is None and not self._listeners:
             return d
         if on_position is not None:
             self._listeners[d] = on_position
             d.addBoth(self._leave_line, d)
-        if self.line.queues == 1:  # a plain FIFO: the newcomer is its tail
+        if first:
+            self._place(d, now)
+        elif self.line.queues == 1 and not self._first:  # a plain FIFO: the newcomer is its tail
             if on_position is not None:
                 self._tell(d, len(self.line))
         else:
@@ -176,42 +291,109 @@ class PositionedSemaphore(DeferredSemaphore):
         self._watch_aging(now)
         return d
 
+    def _open_for(self, want: _Want | None, now: float) -> list[Replica]:
+        """The replicas a waiter may start on now. A retry avoids the replicas it failed on
+        while another of its replicas is in rotation (busy or not)."""
+        members = self.members
+        if want is not None:
+            if want.among is not None:
+                members = [m for m in members if m in want.among]
+            if want.avoid:
+                fresh = [m for m in members if m not in want.avoid and m.circuit.state != DOWN]
+                members = fresh or members
+        return [m for m in members if m.open_at(now)]
+
+    def _grant(
+        self, candidates: list[Replica], want: _Want | None, grant: Grant, now: float
+    ) -> Slot:
+        session = want.session if want is not None else None
+        replica = choose(candidates, self.sessions.get(session), self._turn)
+        self._turn += 1
+        replica.held += 1
+        trial = replica.circuit.begin(now)
+        self.sessions.served(session, replica.name)
+        self._count()
+        return Slot(self, grant, now, replica, trial)
+
+    def _order(self, now: float) -> Iterator[Deferred[Slot]]:
+        """Everyone waiting, in the order they would be served: retries, then the line."""
+        if not self._first:
+            return self.line.order(now)
+        return chain(self._first, self.line.order(now))
+
     def _place(self, d: Deferred[Slot], now: float) -> None:
         """Tell a newcomer its place and, in the same walk, those it went ahead of their new
         one: nobody ahead of it moved."""
-        places = enumerate(self.line.order(now), start=1)
+        places = enumerate(self._order(now), start=1)
         position = next(place for place, waiter in places if waiter is d)
         if d in self._listeners:
             self._tell(d, position)
-        if position < len(self.line):
+        if position < len(self.waiting):
             self._raise(places)
             self._changed()  # its client's later waiters went back: others may have moved up
 
     def release(self) -> None:
-        """Free one slot: the line's next waiter gets it at once (synchronously)."""
-        self._give_back(reordered=False)
+        """Free one slot of the only replica: the line's next waiter gets it at once
+        (synchronously)."""
+        self._give_back(self.members[0], reordered=False)
 
-    def _give_back(self, reordered: bool) -> None:
-        """`release`, after a `Line.settle` that may have `reordered` the line: then those
-        moved back learn it now (a grant itself moves nobody back)."""
-        assert self._held > 0, "release without a held slot"
-        self._held -= 1
-        self.tokens = max(0, self.limit - self._held)
-        self._hand_over()
+    def _give_back(self, replica: Replica, reordered: bool) -> None:
+        """A slot of `replica` is free again, after a `Line.settle` that may have `reordered`
+        the line: then those moved back learn it now (a grant itself moves nobody back)."""
+        assert replica.held > 0, "release without a held slot"
+        replica.held -= 1
+        reordered = self._hand_over() or reordered
         if reordered:
             self._tell_rises(self.clock.seconds())
         self._changed()
 
-    def _hand_over(self) -> None:
+    def _hand_over(self) -> bool:
+        """Grant every free slot in rotation that a waiter may take, in the line's order; True
+        if an out-of-turn grant may have moved someone back."""
         now = self.clock.seconds()
-        while self.tokens and len(self.line):
-            popped = self.line.pop(now)
-            assert popped is not None
-            d, grant = popped
+        reordered = False
+        while self.waiting:
+            if not any(m.open_at(now) for m in self.members):
+                break
+            found = self._next(now)
+            if found is None:
+                break
+            d, candidates, grant, moved = found
+            reordered = reordered or moved
+            want = self._wants.pop(d, None)
             self._remove_waiting(d)
-            self.tokens -= 1
-            self._held += 1
-            d.callback(Slot(self, grant, now))
+            d.callback(self._grant(candidates, want, grant, now))
+        self._count()
+        return reordered
+
+    def _next(self, now: float) -> tuple[Deferred[Slot], list[Replica], Grant, bool] | None:
+        """The first waiter, in order, that may start on a replica now."""
+        for d in self._first:
+            candidates = self._open_for(self._wants.get(d), now)
+            if candidates:
+                self._first.remove(d)
+                client, rank = self._retrying.pop(d)
+                return d, candidates, self.line.admit(client, rank, now), False
+        if not self._choosy:  # everyone may take any replica: the head of the line
+            popped = self.line.pop(now)
+            if popped is None:
+                return None
+            d, grant = popped
+            return d, self._open_for(self._wants.get(d), now), grant, False
+        for index, d in enumerate(self.line.order(now)):
+            want = self._wants.get(d)
+            candidates = self._open_for(want, now)
+            if not candidates:
+                continue
+            if want is not None and (want.among is not None or want.avoid):
+                self._choosy -= 1
+            if index == 0:
+                popped = self.line.pop(now)
+                assert popped is not None and popped[0] is d
+                return d, candidates, popped[1], False
+            grant, moved = self.line.take(d, now)
+            return d, candidates, grant, moved
+        return None
 
     def _remove_waiting(self, d: Deferred[Slot]) -> None:
         if self.waiting[0] is d:
@@ -220,13 +402,29 @@ class PositionedSemaphore(DeferredSemaphore):
             self.waiting.remove(d)
 
     def _cancelAcquire(self, d: Deferred[Slot]) -> None:  # type: ignore[override]
-        reordered = self.line.leave(d)
+        moved = self._moved.get(d)
+        if moved is not None:
+            moved._cancelAcquire(d)
+            return
+        reordered = False
+        if d in self._retrying:
+            self._first.remove(d)
+            del self._retrying[d]
+        else:
+            reordered = self.line.leave(d)
+            want = self._wants.get(d)
+            if want is not None and (want.among is not None or want.avoid):
+                self._choosy -= 1
+        self._wants.pop(d, None)
         self._remove_waiting(d)
         if reordered:
             self._tell_rises(self.clock.seconds())
         self._changed()
 
     def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
+        moved = self._moved.get(d)
+        if moved is not None:
+            return moved._leave_line(result, d)
         listener = self._listeners.pop(d)
         last = self._reported.pop(d)
         if last != 1 and isinstance(result, Slot):
@@ -246,14 +444,14 @@ class PositionedSemaphore(DeferredSemaphore):
     def _renumber(self) -> None:
         self._pass = None
         listeners, reported = self._listeners, self._reported
-        for position, d in enumerate(self.line.order(self.clock.seconds()), start=1):
+        for position, d in enumerate(self._order(self.clock.seconds()), start=1):
             if d in listeners and reported[d] != position:
                 self._tell(d, position)
 
     def _tell_rises(self, now: float) -> None:
         """After an event that may have moved waiters back: tell those now."""
-        if self._listeners and self.line.queues > 1:
-            self._raise(enumerate(self.line.order(now), start=1))
+        if self._listeners and (self.line.queues > 1 or self._first):
+            self._raise(enumerate(self._order(now), start=1))
 
     def _raise(self, places: Iterator[tuple[int, Deferred[Slot]]]) -> None:
         """Tell each listening waiter whose place is now higher than its last report; falls
@@ -283,17 +481,110 @@ class PositionedSemaphore(DeferredSemaphore):
         self._changed()
         self._watch_aging(now)
 
+    def recovered(self, replica: Replica) -> None:
+        """A background probe reached `replica`: back in rotation if it was out."""
+        change = replica.circuit.probed()
+        if change is not None:
+            self._health_changed(replica, change, None)
+
+    def _health_changed(self, replica: Replica, state: str, reason: str | None) -> None:
+        timer = self._cooling.pop(replica, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+        if state == DOWN and replica.circuit.retry_at is not None:
+            delay = max(0.0, replica.circuit.retry_at - self.clock.seconds())
+            self._cooling[replica] = self.clock.callLater(delay, self._cooled, replica)
+        if self.on_health is not None:
+            self.on_health(replica, state, reason)
+        self.refresh()
+
+    def _cooled(self, replica: Replica) -> None:
+        """`replica`'s cool-down is over: a waiter may take it as the trial."""
+        del self._cooling[replica]
+        self.refresh()
+
+    def adopt(self, old: PositionedSemaphore) -> None:
+        """Take over the waiters of `old` whose replicas are now this line's (a reload that
+        gave a model more replicas, or joined two lines): each keeps its class, its arrival
+        time and its listener. Those whose replicas all left stay in `old`."""
+        now = old.clock.seconds()
+        for d in list(old._order(now)):
+            want = old._wants.get(d) or _Want()
+            # One that could take any of the old line's replicas (its model's) takes any of
+            # the new line's; one kept to some keeps to those of them that stay.
+            among = frozenset(self.members) if want.among is None else want.among
+            among = among.intersection(self.members)
+            if not among:
+                continue
+            first = d in old._retrying
+            if first:
+                old._first.remove(d)
+                client, rank = old._retrying.pop(d)
+                arrived = now
+            else:
+                client, rank, arrived = old.line.arrived(d)
+                old.line.leave(d)
+                if want.among is not None or want.avoid:
+                    old._choosy -= 1
+            old._wants.pop(d, None)
+            old._remove_waiting(d)
+            old._moved[d] = self
+            d.addBoth(self._forget_move, old, d)
+            self._join_moved(d, client, rank, arrived, want, among, first=first)
+            listener = old._listeners.pop(d, None)
+            if listener is not None:
+                self._listeners[d] = listener
+                self._reported[d] = old._reported.pop(d)
+        old.members = [m for m in old.members if m.group is old]
+        old._count()
+        self._tell_rises(now)
+        self.refresh()
+
+    def _join_moved(
+        self,
+        d: Deferred[Slot],
+        client: str,
+        rank: int,
+        arrived: float,
+        want: _Want,
+        among: frozenset[Replica],
+        first: bool,
+    ) -> None:
+        restricted = among if len(among) < len(self.members) else None
+        if first:
+            self._first.append(d)
+            self._retrying[d] = (client, rank)
+        else:
+            self.line.join(d, client, rank, arrived)
+            if restricted is not None or want.avoid:
+                self._choosy += 1
+        if restricted is not None or want.avoid or want.session:
+            self._wants[d] = _Want(restricted, want.avoid, want.session)
+        self.waiting.append(d)
+
+    @staticmethod
+    def _forget_move(result: Any, old: PositionedSemaphore, d: Deferred[Slot]) -> Any:
+        old._moved.pop(d, None)
+        return result
+
     def fail_waiting(self, reason: Exception) -> None:
         """Empty the line, failing every waiter with `reason` (shutdown)."""
         waiting, self.waiting = self.waiting, []
         for d in waiting:
-            self.line.leave(d)
+            if d in self._retrying:
+                del self._retrying[d]
+            else:
+                self.line.leave(d)
+        self._first.clear()
+        self._wants.clear()
+        self._choosy = 0
         for d in waiting:
             d.errback(reason)
 
     def close(self) -> None:
-        """Stop the pending renumbering pass and aging timer (service shutdown, test cleanup)."""
-        for call in (self._pass, self._aging):
+        """Stop the pending renumbering pass and every timer (service shutdown, test cleanup)."""
+        for call in (self._pass, self._aging, *self._cooling.values()):
             if call is not None and call.active():
                 call.cancel()
         self._pass = self._aging = None
+        self._cooling.clear()

@@ -201,6 +201,34 @@ class Line(Generic[T]):
         self._forget(state, waiter)
         return waiter.item, grant
 
+    def take(self, item: T, now: float) -> tuple[Grant, bool]:
+        """Grant a waiter out of turn: a free slot that the waiters ahead of it cannot use
+        (their replicas are others). Charged like `pop`; the virtual time stays, since those
+        ahead were not served. Also True if that may have moved another waiter back (its
+        client's later waiters, now that the client was charged)."""
+        waiter = self._waiters.pop(item)
+        state = self._clients[waiter.client]
+        queue = state.queues[waiter.rank]
+        if queue[0] is waiter:
+            queue.popleft()
+        else:
+            queue.remove(waiter)
+        start = max(self._virtual, state.finish)
+        state.finish = start + state.estimate / state.weight
+        grant = Grant(
+            waiter.client,
+            effective_rank(waiter.rank, now - waiter.arrived, self.aging),
+            state.estimate,
+        )
+        self._forget(state, waiter)
+        return grant, self._busy > 1
+
+    def arrived(self, item: T) -> tuple[str, int, float]:
+        """A waiter's client, class and arrival, to move it to another line (a reload that
+        joins two lines) without losing its place in time."""
+        waiter = self._waiters[item]
+        return waiter.client, waiter.rank, waiter.arrived
+
     def admit(self, client: str, rank: int, now: float) -> Grant:
         """A request that found a free slot: it skips the line but its service still counts."""
         state = self._client(client)

@@ -27,6 +27,7 @@ from homelab_gateway.errors import (
     shutdown_error,
     upstream_http_error,
 )
+from homelab_gateway.limiter import PositionListener, Replica, Slot
 from homelab_gateway.mapping import (
     InvalidRequest,
     MappedRequest,
@@ -34,7 +35,8 @@ from homelab_gateway.mapping import (
     map_request,
     request_model,
 )
-from homelab_gateway.pool import Pool
+from homelab_gateway.pool import Pool, hold_slot
+from homelab_gateway.replicas import DOWN
 from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.sse import encode_event
 from homelab_gateway.telemetry import RequestRecord
@@ -54,6 +56,7 @@ TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
 million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
 short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
+SESSION_HEADER = b"x-claude-code-session-id"
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
@@ -135,6 +138,16 @@ def _finite_float(text: str) -> float:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a request for `model` may run: its replicas, and its session (the replica that
+    served the session last has its prefix cached)."""
+
+    model: ModelConfig
+    pools: tuple[Pool, ...]
+    session: str | None
+
+
 class Messages:
     """POST /llm/v1/messages, streaming and not."""
 
@@ -147,6 +160,8 @@ class Messages:
         ping_interval: float,
         write_stall_timeout: float,
         upstream_window: Callable[[str, str], int | None] = lambda upstream, model: None,
+        retries: int = 2,
+        on_retry: Callable[[str, str, bool], None] = lambda upstream, fault, elsewhere: None,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -154,10 +169,12 @@ class Messages:
         self.ping_interval = ping_interval
         self.write_stall_timeout = write_stall_timeout
         self.upstream_window = upstream_window
+        self.retries = retries
+        self.on_retry = on_retry  # failed upstream, fault, whether the retry may go elsewhere
 
     def context_window(self, model: ModelConfig) -> int | None:
         """The model's window: what its upstream's /models says (vLLM), else the config's."""
-        window = self.upstream_window(model.upstream, model.upstream_model)
+        window = self.upstream_window(model.upstream, model.model_on(model.upstream))
         return window if window is not None else model.context_window
 
     async def tokenize(self, pool: Pool, body: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -225,7 +242,7 @@ class Messages:
 
     def resolve(
         self, request: IRequest, record: RequestRecord, *, count_only: bool = False
-    ) -> tuple[Pool, MappedRequest]:
+    ) -> tuple[Target, MappedRequest]:
         """Parse and map the request body; the channel has already bounded its size."""
         try:
             body = json.loads(
@@ -239,11 +256,11 @@ class Messages:
                 raise GatewayError(404, f"model: {name!r} is not served here (models: {known})")
             record.served_model = model.name  # a pattern, never the client's string: bounded
             record.upstream = model.upstream
-            pool = self.pools[model.upstream]
+            pools = tuple(self.pools[name] for name in model.replicas)
             mapped = map_request(
                 body,
                 model,
-                continuous_usage_stats=pool.continuous_usage_stats,
+                continuous_usage_stats=all(p.continuous_usage_stats for p in pools),
                 count_only=count_only,
             )
         except RecursionError:
@@ -254,18 +271,19 @@ class Messages:
             raise GatewayError(400, f"request body is not valid JSON: {e}") from None
         record.stream = mapped.stream
         record.input_tokens = mapped.estimated_input_tokens
-        return pool, mapped
+        session = request.getHeader(SESSION_HEADER) or mapped.body.get("user")
+        return Target(model, pools, session), mapped
 
     async def answer(self, request: IRequest, record: RequestRecord) -> bytes | None:
         if request.method != b"POST":
             request.setHeader(b"allow", b"POST")
             return send_error(request, GatewayError(405, "use POST for /v1/messages"))
         try:
-            pool, mapped = self.resolve(request, record)
+            target, mapped = self.resolve(request, record)
             if mapped.stream:
-                await self._stream(request, record, pool, mapped)
+                await self._stream(request, record, target, mapped)
                 return None
-            return send_json(request, 200, await self._whole(record, pool, mapped))
+            return send_json(request, 200, await self._whole(record, target, mapped))
         except GatewayError as e:
             record.outcome = record.outcome or e.outcome
             return send_error(request, e)
@@ -274,17 +292,74 @@ class Messages:
                 raise  # the client left: there is no one to answer
             return send_error(request, shutdown_error())
 
-    async def _stream(
-        self, request: IRequest, record: RequestRecord, pool: Pool, mapped: MappedRequest
+    async def _attempts(
+        self,
+        record: RequestRecord,
+        target: Target,
+        mapped: MappedRequest,
+        on_position: PositionListener | None,
+        relay: Callable[[Pool, Slot], Any],
     ) -> None:
-        stream = EventStream(request, self.clock, self.ping_interval)
-        try:
-            slot = await pool.hold_slot(self.clock, record, stream.queue_position)
+        """Hold a slot on one of the target's replicas and run `relay` there; after a failure
+        that is safe to retry (see `GatewayError.retry`: nothing reached the client and the
+        upstream cannot have run the request), again on another replica, ahead of the line.
+
+        An attempt that could not even connect costs nothing and is always retried, within the
+        request's queue_timeout: that is how a request waits out a box that restarts. Those
+        the upstream answered with a 502/503/504 are retried at most `retries` times, and only
+        on a replica not tried yet and in rotation.
+        """
+        avoid: frozenset[Replica] = frozenset()
+        deadline: float | None = None
+        started = self.clock.seconds()
+        answered = 0  # retried attempts that an upstream answered
+        while True:
+            slot, pool = await hold_slot(
+                target.pools,
+                self.clock,
+                record,
+                on_position,
+                session=target.session,
+                avoid=avoid,
+                deadline=deadline,
+            )
+            record.upstream = pool.upstream.name
+            mapped.body["model"] = target.model.model_on(pool.upstream.name)
             mapped.body.update(pool.upstream_fields(record))
             try:
-                await self._relay(request, record, pool, mapped, stream.send)
+                await relay(pool, slot)
+                return
+            except GatewayError as e:
+                if e.fault is not None:
+                    slot.failed(e.message)
+                fault = e.fault or ""
+                if not e.retry:
+                    raise
+                if fault != "connect":
+                    tried = avoid | {slot.replica}
+                    untried = [p for p in target.pools if p.replica not in tried]
+                    if answered >= self.retries or not any(
+                        p.replica.circuit.state != DOWN for p in untried
+                    ):
+                        raise  # an answered refusal is only worth sending to another box
+                    answered += 1
             finally:
                 slot.release()
+            avoid = avoid | {slot.replica}
+            self.on_retry(pool.upstream.name, fault, len(avoid) < len(target.pools))
+            if deadline is None:
+                deadline = started + max(p.queue_timeout for p in target.pools)
+
+    async def _stream(
+        self, request: IRequest, record: RequestRecord, target: Target, mapped: MappedRequest
+    ) -> None:
+        stream = EventStream(request, self.clock, self.ping_interval)
+
+        async def relay(pool: Pool, slot: Slot) -> None:
+            await self._relay(request, record, pool, mapped, stream.send, slot)
+
+        try:
+            await self._attempts(record, target, mapped, stream.queue_position, relay)
         except GatewayError as e:
             record.outcome = record.outcome or e.outcome
             if not stream.started:
@@ -299,15 +374,14 @@ class Messages:
             stream.close()
 
     async def _whole(
-        self, record: RequestRecord, pool: Pool, mapped: MappedRequest
+        self, record: RequestRecord, target: Target, mapped: MappedRequest
     ) -> dict[str, Any]:
         builder = MessageBuilder()
-        slot = await pool.hold_slot(self.clock, record)
-        mapped.body.update(pool.upstream_fields(record))
-        try:
-            await self._relay(None, record, pool, mapped, builder.add)
-        finally:
-            slot.release()
+
+        async def relay(pool: Pool, slot: Slot) -> None:
+            await self._relay(None, record, pool, mapped, builder.add, slot)
+
+        await self._attempts(record, target, mapped, None, relay)
         try:
             return builder.message()
         except IncompleteMessage as e:
@@ -322,8 +396,10 @@ class Messages:
         pool: Pool,
         mapped: MappedRequest,
         emit: Callable[[list[Event]], None],
+        slot: Slot,
     ) -> None:
-        """Send the upstream request and pour its translated stream into `emit`.
+        """Send the upstream request and pour its translated stream into `emit`; tell `slot`
+        whether the replica answered (any status below 500).
 
         Raises GatewayError while nothing has been emitted (the client can still get an HTTP
         error); after that every failure is an error event through `emit`. With a `request`,
@@ -340,6 +416,8 @@ class Messages:
         except CancelledError:
             record.upstream_cancelled = True
             raise
+        if response.code < 500:
+            slot.succeeded()
         if response.code != 200:
             error_body = await upstream.read_limited(response)
             overflow = context_overflow(error_body)

@@ -1,7 +1,8 @@
-"""One upstream with its slots: what a model or a route sends its requests to."""
+"""One upstream with its slots (a `Pool`), and holding a slot on one of a model's replicas."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from twisted.internet.defer import DeferredSemaphore
@@ -14,9 +15,11 @@ from homelab_gateway.limiter import (
     PositionedSemaphore,
     PositionListener,
     QueueFull,
+    Replica,
     Slot,
 )
 from homelab_gateway.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
+from homelab_gateway.replicas import UP
 from homelab_gateway.telemetry import RequestRecord
 from homelab_gateway.upstream import Upstream
 
@@ -31,10 +34,13 @@ wait minutes behind generations); but it is still bounded, so a burst of count_t
 open a connection each."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Pool:
+    """One upstream: its client, its slots and health (`replica`), and its settings. Its line
+    (`slots`) is shared with the upstreams it serves a model with."""
+
     upstream: Upstream
-    slots: PositionedSemaphore
+    replica: Replica
     queue_timeout: float
     continuous_usage_stats: bool = True
     forward_priority: bool = False
@@ -42,60 +48,23 @@ class Pool:
         default_factory=lambda: DeferredSemaphore(TOKENIZE_CONCURRENCY)
     )
 
+    def __post_init__(self) -> None:
+        self.replica.owner = self
+
+    @property
+    def slots(self) -> PositionedSemaphore:
+        """The line this upstream's slots are handed out in."""
+        assert self.replica.group is not None
+        return self.replica.group
+
     async def hold_slot(
         self,
         clock: IReactorTime,
         record: RequestRecord,
         on_position: PositionListener | None = None,
     ) -> Slot:
-        """Wait for a slot (in the line's order, bounded by queue_limit, the client's
-        max_waiting and queue_timeout); the caller releases.
-
-        The record says who asks (`client`) and at which class (`priority`); the class the
-        request was served as (aging included) goes back into it. Cancelling the awaiting
-        Deferred removes the waiter from the line. The wait goes into the record either way.
-        """
-        started = clock.seconds()
-        try:
-            d = self.slots.acquire_in_line(
-                on_position,
-                client=record.client,
-                rank=CLASS_RANK.get(record.priority, CLASS_RANK[DEFAULT_CLASS]),
-            )
-        except ClientQueueFull as e:
-            raise GatewayError(
-                529,
-                f"upstream {self.upstream.name} is busy: client {e.client} already has "
-                f"{e.limit} requests waiting",
-                retry_after=QUEUE_FULL_RETRY_AFTER,
-                outcome="rejected_client_queue_full",
-            ) from None
-        except QueueFull:
-            raise GatewayError(
-                529,
-                f"upstream {self.upstream.name} is busy: its queue is full "
-                f"({self.slots.queue_limit} waiting)",
-                retry_after=QUEUE_FULL_RETRY_AFTER,
-                outcome="rejected_queue_full",
-            ) from None
-        d.addTimeout(self.queue_timeout, clock)
-        try:
-            slot = await d
-        except DeferredTimeout:
-            raise GatewayError(
-                529,
-                f"waited {self.queue_timeout:g}s for a slot on upstream {self.upstream.name}",
-                retry_after=QUEUE_FULL_RETRY_AFTER,
-                outcome="queue_timeout",
-            ) from None
-        finally:
-            record.queue_wait = clock.seconds() - started
-        record.served_as = CLASSES[slot.grant.rank]
-
-        def held(seconds: float) -> None:
-            record.slot_seconds = seconds
-
-        slot.on_release = held
+        """A slot on this upstream alone (a proxy route); see `hold_slot`."""
+        slot, _ = await hold_slot((self,), clock, record, on_position)
         return slot
 
     def upstream_fields(self, record: RequestRecord) -> dict[str, int]:
@@ -115,3 +84,77 @@ class Pool:
             return await d
         except DeferredTimeout:
             return None
+
+
+async def hold_slot(
+    pools: Sequence[Pool],
+    clock: IReactorTime,
+    record: RequestRecord,
+    on_position: PositionListener | None = None,
+    *,
+    session: str | None = None,
+    avoid: frozenset[Replica] = frozenset(),
+    deadline: float | None = None,
+) -> tuple[Slot, Pool]:
+    """Wait for a slot on one of `pools` (a model's replicas, which share one line), in the
+    line's order, bounded by the line's queue_limit, the client's max_waiting and the
+    replicas' longest queue_timeout (or `deadline`); the caller releases.
+
+    The record says who asks (`client`) and at which class (`priority`); the class the request
+    was served as (aging included) goes back into it. A retry passes the replicas it failed on
+    (`avoid`) and the `deadline` of its first wait, and waits ahead of the line. Cancelling the
+    awaiting Deferred removes the waiter from the line. The wait adds to the record's.
+    """
+    line = pools[0].slots
+    names = "/".join(p.upstream.name for p in pools)
+    by_replica = {p.replica: p for p in pools}
+    started = clock.seconds()
+    timeout = max(p.queue_timeout for p in pools)
+    if deadline is not None:
+        timeout = max(0.0, deadline - started)
+    try:
+        d = line.acquire_in_line(
+            on_position,
+            client=record.client,
+            rank=CLASS_RANK.get(record.priority, CLASS_RANK[DEFAULT_CLASS]),
+            among=frozenset(by_replica),
+            avoid=avoid,
+            session=session,
+            first=deadline is not None,
+        )
+    except ClientQueueFull as e:
+        raise GatewayError(
+            529,
+            f"upstream {names} is busy: client {e.client} already has {e.limit} requests waiting",
+            retry_after=QUEUE_FULL_RETRY_AFTER,
+            outcome="rejected_client_queue_full",
+        ) from None
+    except QueueFull:
+        raise GatewayError(
+            529,
+            f"upstream {names} is busy: its queue is full ({line.queue_limit} waiting)",
+            retry_after=QUEUE_FULL_RETRY_AFTER,
+            outcome="rejected_queue_full",
+        ) from None
+    d.addTimeout(timeout, clock)
+    try:
+        slot = await d
+    except DeferredTimeout:
+        message = f"waited {max(p.queue_timeout for p in pools):g}s for a slot on upstream {names}"
+        errors = [p.replica.circuit.last_error for p in pools if p.replica.circuit.state != UP]
+        if len(errors) == len(pools):
+            message += f", out of rotation: {errors[-1]}"
+        raise GatewayError(
+            529, message, retry_after=QUEUE_FULL_RETRY_AFTER, outcome="queue_timeout"
+        ) from None
+    finally:
+        record.queue_wait = (record.queue_wait or 0.0) + clock.seconds() - started
+    record.served_as = CLASSES[slot.grant.rank]
+
+    def held(seconds: float) -> None:
+        record.slot_seconds = seconds
+
+    slot.on_release = held
+    pool = by_replica.get(slot.replica) or slot.replica.owner  # a reload gave the model more
+    assert isinstance(pool, Pool)
+    return slot, pool

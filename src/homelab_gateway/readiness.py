@@ -1,9 +1,11 @@
-"""Readiness: is every upstream answering? Probed in the background, so /readyz is instant.
+"""Readiness: can every model be served? Probed in the background, so /readyz is instant.
 
 Each upstream's `GET {url}/models` is asked every `probe_interval` seconds (vLLM, Ollama and
-llama.cpp all serve it, and it costs no sequence slot). /readyz is 200 only while every
-upstream's latest probe succeeded, and that success is recent: a prober that stopped must not
-leave a stale "ready" behind.
+llama.cpp all serve it, and it costs no sequence slot). An upstream is ready while its latest
+probe succeeded, that success is recent (a prober that stopped must not leave a stale "ready"
+behind) and requests have not taken it out of rotation since. /readyz is 200 while every model
+has a ready replica and every upstream no model names (a proxy route's) is ready. A probe that
+succeeds also puts a replica that was out of rotation back at once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import GatewayError
+from homelab_gateway.replicas import DOWN
 
 if TYPE_CHECKING:
     from homelab_gateway.llm import Pool
@@ -34,8 +38,15 @@ class Probe:
 
 
 class Readiness:
-    def __init__(self, pools: Mapping[str, Pool], clock: IReactorTime, interval: float) -> None:
+    def __init__(
+        self,
+        pools: Mapping[str, Pool],
+        clock: IReactorTime,
+        interval: float,
+        models: Mapping[str, ModelConfig] = {},
+    ) -> None:
         self.pools = pools
+        self.models = models
         self.clock = clock
         self.interval = interval
         self.probes = {name: Probe() for name in pools}
@@ -81,6 +92,7 @@ class Readiness:
             probe.detail = "ok" if probe.ok else f"GET /models answered {response.code}"
             if probe.ok:
                 probe.windows = _windows(body)
+                pool.slots.recovered(pool.replica)
         probe.at = self.clock.seconds()
 
     def context_window(self, upstream: str, model: str) -> int | None:
@@ -93,10 +105,17 @@ class Readiness:
         upstreams: dict[str, Any] = {}
         for name, probe in self.probes.items():
             fresh = probe.at is not None and now - probe.at <= 2 * self.interval
-            ok = probe.ok and fresh
+            pool = self.pools.get(name)
+            circuit = pool.replica.circuit if pool is not None else None
+            ok = probe.ok and fresh and (circuit is None or circuit.state != DOWN)
             detail = probe.detail if fresh or probe.at is None else "no recent probe"
+            if probe.ok and fresh and not ok:
+                detail = f"out of rotation: {circuit.last_error if circuit else ''}"
             upstreams[name] = {"ready": ok, "detail": "ok" if ok else detail}
-        return all(u["ready"] for u in upstreams.values()), upstreams
+        ready = {name for name, u in upstreams.items() if u["ready"]}
+        named = {name for model in self.models.values() for name in model.replicas}
+        models_ok = all(ready.intersection(m.replicas) for m in self.models.values())
+        return models_ok and all(n in ready for n in upstreams if n not in named), upstreams
 
 
 def _windows(body: bytes) -> dict[str, int]:

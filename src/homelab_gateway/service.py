@@ -41,12 +41,13 @@ from homelab_gateway.config import (
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.heap import settle_heap
 from homelab_gateway.inflight import InFlight
-from homelab_gateway.limiter import PositionedSemaphore
+from homelab_gateway.limiter import PositionedSemaphore, Replica
 from homelab_gateway.llm import Messages
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.readiness import Probe, Readiness
 from homelab_gateway.reload import config_changes
+from homelab_gateway.replicas import DOWN, Circuit
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
@@ -55,6 +56,10 @@ log = Logger()
 # After the grace period and the last answer: how long a client that stopped reading may keep
 # the process waiting for its buffered bytes (systemd's TimeoutStopSec must leave room).
 CLOSE_TIMEOUT = 5.0
+TCP_CONNECT_TIMEOUT = 10.0
+"""A box on the LAN answers a connection in milliseconds; one that has not within this many
+seconds is off or unreachable, and the request can go to another replica (nothing was sent).
+`connect_timeout` still bounds the wait for the response headers (Ollama loads a model first)."""
 PROFILE_ENV = "HOMELAB_GATEWAY_PROFILE"  # a path: profile the reactor thread, write stats on stop
 
 
@@ -79,7 +84,9 @@ class Gateway:
         self.models.update(config.models)
         self.telemetry = Telemetry(reactor, self.pools)
         self.inflight = InFlight(reactor, self.telemetry)
-        self.readiness = Readiness(self.pools, reactor, config.server.probe_interval)
+        self.readiness = Readiness(
+            self.pools, reactor, config.server.probe_interval, models=self.models
+        )
         self._started = False
         self.app = GatewayApp(
             models=self.models,
@@ -102,30 +109,59 @@ class Gateway:
         for name, upstream in new.upstreams.items():
             pool = self.pools.get(name) or self._retired.pop(name, None)
             if pool is None:
-                self.pools[name] = Pool(
+                replica = Replica(name, upstream.slots, upstream.fallback, Circuit())
+                pool = Pool(
                     upstream=self._upstream_client(upstream),
-                    slots=PositionedSemaphore(
-                        upstream.slots,
-                        self.reactor,
-                        queue_limit=upstream.queue_limit,
-                        **_line_settings(new),
-                    ),
+                    replica=replica,
                     queue_timeout=upstream.queue_timeout,
-                    continuous_usage_stats=upstream.continuous_usage_stats,
-                    forward_priority=upstream.forward_priority,
                 )
-                continue
-            before = old.upstreams.get(name) if old is not None else None
-            if before is None or _connection(before) != _connection(upstream):
-                pool.upstream = self._upstream_client(upstream)
-            pool.slots.resize(upstream.slots)
-            pool.slots.configure_line(**_line_settings(new))
-            pool.slots.queue_limit = upstream.queue_limit
+            else:
+                before = old.upstreams.get(name) if old is not None else None
+                if before is None or _connection(before) != _connection(upstream):
+                    pool.upstream = self._upstream_client(upstream)
+            replica = pool.replica
+            replica.limit, replica.fallback = upstream.slots, upstream.fallback
+            replica.circuit.failures_to_open = upstream.failures_to_open
+            replica.circuit.cooldown = upstream.cooldown
             pool.queue_timeout = upstream.queue_timeout
             pool.continuous_usage_stats = upstream.continuous_usage_stats
             pool.forward_priority = upstream.forward_priority
             self.pools[name] = pool
+        self._sync_lines(new)
         self.http_pool.maxPersistentPerHost = max([16, *(u.slots for u in new.upstreams.values())])
+
+    def _sync_lines(self, config: Config) -> None:
+        """One line per set of upstreams that models join (`shared_lines`). A line whose
+        upstreams stay the same is kept; a new one takes over the waiters of the lines its
+        upstreams came from, so a reload that gives a model a second box loses nobody's place."""
+        for names in shared_lines(config):
+            members = [self.pools[name].replica for name in names]
+            before = {m.group for m in members if m.group is not None}
+            line = next(iter(before)) if len(before) == 1 else None
+            if line is None or set(line.members) != set(members):
+                line = PositionedSemaphore(members, self.reactor, on_health=self._health_changed)
+                for old in before:
+                    line.adopt(old)
+            line.queue_limit = sum(config.upstreams[name].queue_limit for name in names)
+            line.configure_line(**_line_settings(config))
+            line.refresh()
+
+    def _health_changed(self, replica: Replica, state: str, reason: str | None) -> None:
+        """One log line when a replica leaves or rejoins rotation."""
+        if state == DOWN:
+            log.warn(
+                "upstream {upstream} is out of rotation for {cooldown:g}s: {reason}",
+                upstream=replica.name,
+                cooldown=replica.circuit.cooldown,
+                reason=reason,
+            )
+        else:
+            log.info(
+                "upstream {upstream} is {state}: {reason}",
+                upstream=replica.name,
+                state="back in rotation" if state == "up" else state,
+                reason=reason or "it answered",
+            )
 
     def _upstream_client(self, upstream: UpstreamConfig) -> Upstream:
         return self._client(
@@ -163,6 +199,8 @@ class Gateway:
             ping_interval=config.server.ping_interval,
             write_stall_timeout=config.server.write_stall_timeout,
             upstream_window=self.readiness.context_window,
+            retries=config.server.retries,
+            on_retry=self.telemetry.retried,
         )
 
     def _access(self, config: Config) -> AccessPolicy:
@@ -192,7 +230,11 @@ class Gateway:
         *,
         transparent: bool,
     ) -> Upstream:
-        agent = Agent(self.reactor, connectTimeout=connect_timeout, pool=self.http_pool)
+        agent = Agent(
+            self.reactor,
+            connectTimeout=min(connect_timeout, TCP_CONNECT_TIMEOUT),
+            pool=self.http_pool,
+        )
         return Upstream(
             name=name,
             url=url,
@@ -233,17 +275,16 @@ class Gateway:
         self.config = config
         return changes
 
-    def _all_pools(self) -> list[Pool]:
-        return [*self.pools.values(), *self._retired.values()]
+    def _lines(self) -> list[PositionedSemaphore]:
+        lines = {pool.slots: None for pool in [*self.pools.values(), *self._retired.values()]}
+        return list(lines)
 
     async def drain(self) -> None:
         """Refuse new work, fail the queued, give in-flight requests the grace period, then
         close every connection once it has written out what it holds."""
         self.inflight.draining = True
-        for pool in self._all_pools():
-            pool.slots.fail_waiting(
-                GatewayError(529, "the gateway is shutting down", outcome="shutdown")
-            )
+        for line in self._lines():
+            line.fail_waiting(GatewayError(529, "the gateway is shutting down", outcome="shutdown"))
         await self.inflight.drain(self.config.server.shutdown_grace)
         await self._close_connections()
 
@@ -263,8 +304,8 @@ class Gateway:
 
     async def close(self) -> None:
         self.readiness.stop()
-        for pool in self._all_pools():
-            pool.slots.close()
+        for line in self._lines():
+            line.close()
         await self.http_pool.closeCachedConnections()
 
 
@@ -276,6 +317,27 @@ def _line_settings(config: Config) -> dict[str, Any]:
         "weights": {c.name: c.weight for c in clients},
         "max_waiting": {c.name: c.max_waiting for c in clients if c.max_waiting is not None},
     }
+
+
+def shared_lines(config: Config) -> list[list[str]]:
+    """The upstreams that share one line: those a model names together, and transitively
+    (vllm-a and ollama serve one model, ollama and nothing else another: one line of three).
+    Every other upstream has a line of its own. In the config's order."""
+    parent = {name: name for name in config.upstreams}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            name = parent[name]
+        return name
+
+    for model in config.models.values():
+        first, *others = model.replicas
+        for other in others:
+            parent[root(other)] = root(first)
+    lines: dict[str, list[str]] = {}
+    for name in config.upstreams:
+        lines.setdefault(root(name), []).append(name)
+    return list(lines.values())
 
 
 def _connection(upstream: UpstreamConfig) -> tuple[object, ...]:

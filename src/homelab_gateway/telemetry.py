@@ -25,6 +25,8 @@ from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from homelab_gateway.replicas import UP
+
 if TYPE_CHECKING:
     from homelab_gateway.llm import Pool
 
@@ -81,8 +83,16 @@ class _SlotCollector(Collector):
         in_use = GaugeMetricFamily(
             "homelab_gateway_slots_in_use", "Slots held", labels=["upstream"]
         )
+        up = GaugeMetricFamily(
+            "homelab_gateway_upstream_up",
+            "1 while the upstream is in rotation, 0 while requests' failures keep it out",
+            labels=["upstream"],
+        )
         waiting = GaugeMetricFamily(
-            "homelab_gateway_queue_waiting", "Requests waiting for a slot", labels=["upstream"]
+            "homelab_gateway_queue_waiting",
+            "Requests waiting for a slot, per line (upstreams that serve a model together "
+            "share one, named 'a+b')",
+            labels=["upstream"],
         )
         by_class = GaugeMetricFamily(
             "homelab_gateway_queue_waiting_by_class",
@@ -95,19 +105,21 @@ class _SlotCollector(Collector):
             labels=["upstream", "client"],
         )
         for name, pool in self._pools.items():
-            slots.add_metric([name], pool.slots.limit)
-            in_use.add_metric([name], pool.slots.in_use)
-            waiting.add_metric([name], len(pool.slots.waiting))
-            line = pool.slots.line
-            for cls, count in line.waiting_by_class(pool.slots.clock.seconds()).items():
+            slots.add_metric([name], pool.replica.limit)
+            in_use.add_metric([name], pool.replica.held)
+            up.add_metric([name], 1 if pool.replica.circuit.state == UP else 0)
+        for line in dict.fromkeys(pool.slots for pool in self._pools.values()):
+            name = line.name
+            waiting.add_metric([name], len(line.waiting))
+            for cls, count in line.line.waiting_by_class(line.clock.seconds()).items():
                 by_class.add_metric([name, cls], count)
             clients: dict[str, int] = {}
-            for client, count in line.waiting_by_client().items():
+            for client, count in line.line.waiting_by_client().items():
                 label = client_label(client)
                 clients[label] = clients.get(label, 0) + count
             for label, count in clients.items():
                 by_client.add_metric([name, label], count)
-        return [slots, in_use, waiting, by_class, by_client]
+        return [slots, in_use, up, waiting, by_class, by_client]
 
 
 class Telemetry:
@@ -154,12 +166,29 @@ class Telemetry:
             ["upstream", "model"],
             registry=self.registry,
         )
+        self.retries = Counter(
+            "homelab_gateway_retries",
+            "Requests sent again after a failed attempt, by the upstream that failed and why",
+            ["upstream", "reason"],
+            registry=self.registry,
+        )
+        self.failovers = Counter(
+            "homelab_gateway_failovers",
+            "Retries that could go to another replica, by the upstream that failed and why",
+            ["upstream", "reason"],
+            registry=self.registry,
+        )
         self.cancellations = Counter(
             "homelab_gateway_upstream_cancellations",
             "Upstream requests the gateway cancelled (client gone, shutdown)",
             ["upstream"],
             registry=self.registry,
         )
+
+    def retried(self, upstream: str, reason: str, elsewhere: bool) -> None:
+        self.retries.labels(upstream, reason).inc()
+        if elsewhere:
+            self.failovers.labels(upstream, reason).inc()
 
     def start(self, request_id: str, surface: str, method: bytes, path: bytes) -> RequestRecord:
         return RequestRecord(

@@ -43,6 +43,11 @@ is closed. A server ends the body right after `[DONE]`, often in a later read; w
 keeps the connection for reuse, while a body left open can never hold a slot."""
 
 
+NOT_SENT = (neterror.ConnectError, neterror.DNSLookupError, RequestNotSent)
+"""Failures before any byte of the request left: refused, unreachable, a TCP connect timeout,
+a name that does not resolve. Sending again elsewhere cannot run anything twice."""
+
+
 class UpstreamBroken(Exception):
     """The upstream's response body ended abnormally (reset, idle timeout, bad framing)."""
 
@@ -182,13 +187,20 @@ class Upstream:
                             504,
                             f"upstream {self.name} sent no response headers within "
                             f"{self.connect_timeout:g}s",
+                            fault="timeout",
                         ) from None
-                    if isinstance(e, CancelledError) or _wraps(e, CancelledError):
+                    if isinstance(e, CancelledError | neterror.ConnectingCancelledError) or _wraps(
+                        e, CancelledError
+                    ):
                         raise CancelledError() from None
                     if attempt == 1 and isinstance(e, RequestNotSent):
                         continue  # provably never written: it cannot run twice
+                    unsent = isinstance(e, NOT_SENT)
                     raise GatewayError(
-                        502, f"upstream {self.name} unreachable: {_reason(e)}"
+                        502,
+                        f"upstream {self.name} unreachable: {_reason(e)}",
+                        fault="connect" if unsent else "reset",
+                        retry=unsent,
                     ) from None
             raise AssertionError("unreachable")
         finally:

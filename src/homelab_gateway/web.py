@@ -25,10 +25,20 @@ from homelab_gateway.mapping import find_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ReverseProxy
 from homelab_gateway.readiness import Readiness
+from homelab_gateway.replicas import UP
 from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
+
+
+def _iso(at: float | None, now: float) -> str | None:
+    """A moment on the gateway's clock as UTC ISO 8601 (status readers compare wall time)."""
+    if at is None:
+        return None
+    wall = datetime.now(UTC).timestamp() + (at - now)
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="seconds")
+
 
 Work = Callable[[RequestRecord], Coroutine[Any, Any, Any]]
 
@@ -117,10 +127,12 @@ class GatewayApp:
         if request.method != b"POST":
             return send_error(request, GatewayError(405, "use POST for /v1/messages/count_tokens"))
         try:
-            pool, mapped = self.messages.resolve(request, record, count_only=True)
+            target, mapped = self.messages.resolve(request, record, count_only=True)
         except GatewayError as e:
             record.outcome = e.outcome
             return send_error(request, e)
+        pool = next((p for p in target.pools if p.replica.circuit.state == UP), target.pools[0])
+        mapped.body["model"] = target.model.model_on(pool.upstream.name)
         count, _ = await self.messages.tokenize(pool, mapped.body)
         record.input_tokens = count or mapped.estimated_input_tokens
         return send_json(request, 200, {"input_tokens": record.input_tokens})
@@ -183,17 +195,36 @@ class GatewayApp:
         if stop is not None:
             return stop
         now = self.messages.clock.seconds()
-        upstreams = {
-            name: {
-                "slots": pool.slots.limit,
-                "in_use": pool.slots.in_use,
-                "waiting": len(pool.slots.waiting),
-                "waiting_by_class": pool.slots.line.waiting_by_class(now),
-                "waiting_by_client": pool.slots.line.waiting_by_client(),
+        models: dict[str, list[str]] = {}
+        for model in self.models.values():
+            for name in model.replicas:
+                models.setdefault(name, []).append(model.name)
+        upstreams = {}
+        for name, pool in self.pools.items():
+            line, circuit = pool.slots, pool.replica.circuit
+            upstreams[name] = {
+                "slots": pool.replica.limit,
+                "in_use": pool.replica.held,
+                "health": circuit.state,
+                "down_since": _iso(circuit.down_since, now),
+                "retry_at": _iso(circuit.retry_at, now),
+                "last_error": circuit.last_error,
+                "fallback": pool.replica.fallback,
+                "models": models.get(name, []),
+                "line": line.name,
+                "waiting": len(line.waiting),
+                "waiting_by_class": line.line.waiting_by_class(now),
+                "waiting_by_client": line.line.waiting_by_client(),
             }
-            for name, pool in self.pools.items()
+        lines = {
+            model.name: {
+                "upstreams": list(model.replicas),
+                "line": self.pools[model.replicas[0]].slots.name,
+                "waiting": len(self.pools[model.replicas[0]].slots.waiting),
+            }
+            for model in self.models.values()
         }
-        return send_json(request, 200, {"upstreams": upstreams})
+        return send_json(request, 200, {"upstreams": upstreams, "models": lines})
 
     @app.route("/", branch=True)
     def everything_else(self, request: IRequest) -> Any:
