@@ -18,6 +18,7 @@ from homelab_gateway.config import (
     parse_config,
     with_backlog,
 )
+from homelab_gateway.service import shared_lines
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,7 +85,7 @@ def test_the_documented_example_parses(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["homelab-gateway.toml"])
+@pytest.mark.parametrize("name", ["homelab-gateway.toml", "homelab-gateway-replicas.toml"])
 def test_shipped_example_config_parses(name: str) -> None:
     load_config(REPO / "etc" / name, environ={"VLLM_API_KEY": "k"})
 
@@ -297,3 +298,82 @@ class RunningListener(TestCase):
         assert service.port is not None
         self.addCleanup(service.port.stopListening)
         assert service.port.backlog == DEFAULT_BACKLOG  # type: ignore[attr-defined]
+
+
+REPLICAS = """
+[server]
+retries = 1
+
+[upstreams.a]
+url = "http://127.0.0.1:8000/v1"
+slots = 4
+
+[upstreams.b]
+url = "http://127.0.0.1:8001/v1"
+slots = 4
+failures_to_open = 5
+cooldown = 12
+
+[upstreams.ollama]
+url = "http://127.0.0.1:11434/v1"
+slots = 1
+fallback = true
+
+[upstreams.alone]
+url = "http://127.0.0.1:9000/v1"
+slots = 1
+
+[models.reasoning]
+upstreams = ["a", "b", "ollama"]
+upstream_model = "Qwen/QwQ-32B"
+upstream_models = { ollama = "qwq:32b" }
+
+[models.small]
+upstream = "ollama"
+"""
+
+
+def test_replicas_their_names_and_health_settings(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, REPLICAS))
+    model = config.models["reasoning"]
+    assert model.replicas == ("a", "b", "ollama")
+    assert model.upstream == "a"
+    assert [model.model_on(n) for n in model.replicas] == ["Qwen/QwQ-32B"] * 2 + ["qwq:32b"]
+    assert config.models["small"].replicas == ("ollama",)
+    assert config.server.retries == 1
+    b, ollama = config.upstreams["b"], config.upstreams["ollama"]
+    assert (b.failures_to_open, b.cooldown, b.fallback) == (5, 12.0, False)
+    assert (ollama.failures_to_open, ollama.cooldown, ollama.fallback) == (3, 30.0, True)
+
+
+def test_upstreams_that_share_a_model_share_a_line(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, REPLICAS))
+    assert shared_lines(config) == [["a", "b", "ollama"], ["alone"]]
+
+
+@pytest.mark.parametrize(
+    ("replace", "message"),
+    [
+        (
+            'upstreams = ["a", "b", "ollama"]',
+            'models.reasoning.upstreams: names unknown upstream "nope"',
+        ),
+        ('upstreams = ["a", "b", "ollama"]', "models.reasoning.upstreams: names an upstream twice"),
+        ('upstreams = ["a", "b", "ollama"]', "models.reasoning.upstreams: give either"),
+        ('upstreams = ["a", "b", "ollama"]', "models.reasoning.upstreams: must be a non-empty"),
+        ("{ ollama = ", "models.reasoning.upstream_models: 'alone' is not one of"),
+    ],
+)
+def test_replica_mistakes_are_one_line(tmp_path: Path, replace: str, message: str) -> None:
+    by_message = {
+        "unknown": 'upstreams = ["a", "nope"]',
+        "twice": 'upstreams = ["a", "a"]',
+        "either": 'upstreams = ["a"]\nupstream = "a"',
+        "non-empty": "upstreams = []",
+        "not one of": "{ alone = ",
+    }
+    new = next(v for k, v in by_message.items() if k in message)
+    text = REPLICAS.replace(replace, new, 1)
+    with pytest.raises(ConfigError) as raised:
+        load_config(write(tmp_path, text))
+    assert message.replace('"', "'") in str(raised.value)

@@ -280,3 +280,29 @@ class Replicas(TestCase):
         self.assertEqual(b.stats.requests, 2)
         held.disconnect()
         await self.settled()
+
+    @async_test
+    async def test_ready_while_a_replica_serves_and_a_probe_brings_one_back(self) -> None:
+        a = Stub(self.servers)
+        b = Stub(self.servers)
+        doc = document({"a": a.url, "b": b.url}, server={"probe_interval": 0.3})
+        doc["upstreams"]["a"]["cooldown"] = 3600  # only a probe can bring it back in time
+        self.start(doc)
+        self.gateway.start()
+        self.addCleanup(self.gateway.readiness.stop)
+        readiness = self.gateway.readiness
+        await wait_for(lambda: readiness.report()[0], what="a successful probe")
+        await a.kill()
+        await wait_for(lambda: not readiness.report()[1]["a"]["ready"], what="a's probe to fail")
+        self.assertTrue(readiness.report()[0], "b still serves the model")
+        for _ in range(2):  # failures_to_open: take a out of rotation
+            self.replica("a").circuit.failed(reactor.seconds(), "killed")
+        self.assertEqual(self.replica("a").circuit.state, "down")
+        await b.kill()
+        await wait_for(lambda: not readiness.report()[0], what="no replica left")
+        response = raw_request(self.port, "GET", "/readyz")
+        await response.closed
+        self.assertEqual(response.status, 503)
+        a.revive()
+        await wait_for(lambda: self.replica("a").circuit.state == "up", what="a probe to revive a")
+        await wait_for(lambda: readiness.report()[0], what="ready again")
