@@ -32,6 +32,9 @@ def check_stream(events: Sequence[dict[str, Any]], *, allow_queue: bool = True) 
     while i < len(kinds) and kinds[i] == "queue":
         assert allow_queue, "queue frame on a stream that must not have one"
         assert isinstance(events[i]["position"], int) and events[i]["position"] >= 1
+        assert set(events[i]) <= {"type", "position", "estimated_wait_s"}, events[i]
+        estimate = events[i].get("estimated_wait_s", 0.0)
+        assert isinstance(estimate, float) and estimate >= 0, events[i]
         i += 1
     assert "queue" not in kinds[i:], f"queue frame after the message started: {kinds}"
     rest = [e for e in events[i:] if e["type"] != "ping"]

@@ -133,6 +133,25 @@ class Queue(LLMSurface):
         await self.drain(busy)
 
     @async_test
+    async def test_queue_frames_carry_a_wait_estimate_once_there_is_history(self) -> None:
+        busy = self.fill(3)
+        await wait_for(lambda: len(self.slots.waiting) == 1, what="one to queue")
+        await self.drain(busy)
+        self.assertNotIn(b"estimated_wait_s", busy[2].body_bytes(), "no history yet")
+        await self.drain(self.fill(2))
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.until_text("event: queue")
+        first = queued.frames()[0][1]
+        self.assertEqual(first["position"], 1)
+        self.assertGreater(first["estimated_wait_s"], 0)
+        self.assertLess(first["estimated_wait_s"], 5 * self.stub_settings["hold"] + 5)
+        await self.drain([*busy, queued])
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.settled()
+
+    @async_test
     async def test_status_shows_slots_and_waiters(self) -> None:
         busy = self.fill(3)
         await wait_for(lambda: len(self.slots.waiting) == 1, what="one to queue")

@@ -120,6 +120,16 @@ def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
         assert QUEUE_FRAME % position == encode_event({"type": "queue", "position": position})
 
 
+@given(st.integers(1, 10**6), st.floats(0, 10**7, allow_nan=False))
+def test_the_estimated_queue_frame_template_is_what_encode_event_writes(
+    position: int, estimate: float
+) -> None:
+    from homelab_gateway.llm import ESTIMATED_QUEUE_FRAME
+
+    frame = {"type": "queue", "position": position, "estimated_wait_s": round(estimate, 1)}
+    assert ESTIMATED_QUEUE_FRAME % (position, estimate) == encode_event(frame)
+
+
 def test_a_line_without_end_is_refused_past_the_limit() -> None:
     parser = SSEParser(limit=100)
     assert parser.feed(b"data: ok\n\ndata: " + b"x" * 50) == [ServerSentEvent("ok")]

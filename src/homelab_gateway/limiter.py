@@ -43,6 +43,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from homelab_gateway.estimate import HoldTimes, wait
 from homelab_gateway.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
 from homelab_gateway.replicas import DOWN, UP, Circuit, Sessions, choose
 
@@ -97,7 +98,7 @@ class _Want:
     session: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     """One granted slot on `replica`. `release` gives it back once and settles its client's
     fair share with the time it was really held; `succeeded` and `failed` tell the replica's
@@ -134,7 +135,9 @@ class Slot:
             self.on_release(held)
         if self.trial and not self.judged:
             self.replica.circuit.abandoned()
+        self.semaphore._holding.pop(self, None)
         line = self._line()
+        line.holds.add(held)
         line._give_back(self.replica, reordered and line is self.semaphore)
 
     def _line(self) -> PositionedSemaphore:
@@ -170,6 +173,8 @@ class PositionedSemaphore(DeferredSemaphore):
         self.on_health = on_health
         self.line: Line[Deferred[Slot]] = Line(aging=aging, weights=weights)
         self.sessions = Sessions()
+        self.holds = HoldTimes()
+        self._holding: dict[Slot, None] = {}  # granted and not released, oldest first
         self._first: deque[Deferred[Slot]] = deque()  # retries, served before the line
         self._retrying: dict[Deferred[Slot], tuple[str, int]] = {}  # their client and class
         self._wants: dict[Deferred[Slot], _Want] = {}
@@ -313,7 +318,9 @@ class PositionedSemaphore(DeferredSemaphore):
         trial = replica.circuit.begin(now)
         self.sessions.served(session, replica.name)
         self._count()
-        return Slot(self, grant, now, replica, trial)
+        slot = Slot(self, grant, now, replica, trial)
+        self._holding[slot] = None
+        return slot
 
     def _order(self, now: float) -> Iterator[Deferred[Slot]]:
         """Everyone waiting, in the order they would be served: retries, then the line."""
@@ -334,8 +341,22 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def release(self) -> None:
         """Free one slot of the only replica: the line's next waiter gets it at once
-        (synchronously)."""
+        (synchronously). Slots of a plain `acquire` are alike: the oldest is the one freed."""
+        if self._holding:
+            del self._holding[next(iter(self._holding))]
         self._give_back(self.members[0], reordered=False)
+
+    def estimate(self, position: int) -> float | None:
+        """Seconds the waiter at `position` is expected to wait (`estimate.wait`), or None
+        until enough slots have been held and released here, or while none is in rotation."""
+        mean = self.holds.mean()
+        if mean is None:
+            return None
+        slots = sum(m.limit for m in self.members if m.circuit.state == UP)
+        if not slots:
+            return None
+        now = self.clock.seconds()
+        return wait(position, (now - s.granted_at for s in self._holding), slots, mean)
 
     def _give_back(self, replica: Replica, reordered: bool) -> None:
         """A slot of `replica` is free again, after a `Line.settle` that may have `reordered`

@@ -60,6 +60,9 @@ SESSION_HEADER = b"x-claude-code-session-id"
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
+ESTIMATED_QUEUE_FRAME = (
+    b'event: queue\ndata: {"type":"queue","position":%d,"estimated_wait_s":%.1f}\n\n'
+)
 
 
 class EventStream:
@@ -78,6 +81,9 @@ class EventStream:
         self.gone = False
         self._keepalive: bytes | None = None
         self._timer: IDelayedCall | None = None
+        self._position: int | None = None  # while queued
+        # The wait a position means (`PositionedSemaphore.estimate`), where one is known.
+        self.estimator: Callable[[int], float | None] | None = None
         request.notifyFinish().addErrback(self._client_left)
 
     def send(self, events: list[Event]) -> None:
@@ -85,11 +91,19 @@ class EventStream:
             return
         if self._keepalive is not PING_FRAME and any(e["type"] == "message_start" for e in events):
             self._keepalive = PING_FRAME
+            self._position = None
         self._write(b"".join(map(encode_event, events)))
 
     def queue_position(self, position: int) -> None:
-        self._keepalive = QUEUE_FRAME % position
+        self._position = position
+        self._keepalive = self._queue_frame(position)
         self._write(self._keepalive)
+
+    def _queue_frame(self, position: int) -> bytes:
+        estimate = self.estimator(position) if self.estimator is not None else None
+        if estimate is None:
+            return QUEUE_FRAME % position
+        return ESTIMATED_QUEUE_FRAME % (position, estimate)
 
     def _write(self, frames: bytes) -> None:
         if self.gone:
@@ -108,6 +122,8 @@ class EventStream:
 
     def _keep_alive(self) -> None:
         self._timer = None
+        if self._position is not None:  # the same place, but time went by: a new estimate
+            self._keepalive = self._queue_frame(self._position)
         if self._keepalive is not None:
             self._write(self._keepalive)
 
@@ -354,6 +370,7 @@ class Messages:
         self, request: IRequest, record: RequestRecord, target: Target, mapped: MappedRequest
     ) -> None:
         stream = EventStream(request, self.clock, self.ping_interval)
+        stream.estimator = target.pools[0].slots.estimate
 
         async def relay(pool: Pool, slot: Slot) -> None:
             await self._relay(request, record, pool, mapped, stream.send, slot)

@@ -1,0 +1,50 @@
+"""How long a waiter will wait, from how long slots have been held lately (sans-IO).
+
+The estimate a queued client gets (`estimated_wait_s` in `event: queue`): if every slot keeps
+being held for the recent mean hold time `H`, a slot held for `e` seconds frees in `max(H - e,
+0)`, and then every `H` seconds after that. The waiter at position `p` takes the `p`-th slot to
+free, so with the `S` slots in rotation sorted by when they free next (`r_0 <= ... <=
+r_{S-1}`, a free slot at 0):
+
+    wait(p) = r_{(p-1) mod S} + floor((p-1) / S) * H
+
+It is an estimate of a queue whose future is unknown: a request that joins ahead of the waiter
+(a better class, a quieter client) or an answer much longer than usual makes the real wait
+longer, a client that gives up makes it shorter. `bench/` measures how close it comes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+HISTORY = 50  # the hold times the mean is taken over: the recent past, not the whole day
+MINIMUM_HISTORY = 5  # fewer finished holds say nothing yet: no estimate is given
+
+
+class HoldTimes:
+    """The most recent `HISTORY` hold times of one line's slots."""
+
+    def __init__(self, size: int = HISTORY) -> None:
+        self._recent: deque[float] = deque(maxlen=size)
+        self._sum = 0.0
+
+    def add(self, seconds: float) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            self._sum -= self._recent[0]
+        self._recent.append(seconds)
+        self._sum += seconds
+
+    def mean(self) -> float | None:
+        if len(self._recent) < MINIMUM_HISTORY:
+            return None
+        return max(0.0, self._sum / len(self._recent))
+
+
+def wait(position: int, held_for: Iterable[float], slots: int, mean: float) -> float:
+    """Seconds until the waiter at `position` (1-based) gets one of `slots` slots, those in use
+    held for `held_for` seconds so far (see the module docstring)."""
+    frees = [max(0.0, mean - held) for held in held_for]
+    frees = sorted(frees + [0.0] * (slots - len(frees)))[:slots]
+    rounds, index = divmod(position - 1, slots)
+    return frees[index] + rounds * mean
