@@ -6,12 +6,14 @@ import json
 from typing import Any
 
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
 from twisted.protocols.policies import WrappingFactory
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from homelab_gateway.config import parse_config
+from homelab_gateway.errors import GatewayError
 from homelab_gateway.stub import StubResource
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, raw_request, wait_for
@@ -306,3 +308,28 @@ class Replicas(TestCase):
         a.revive()
         await wait_for(lambda: self.replica("a").circuit.state == "up", what="a probe to revive a")
         await wait_for(lambda: readiness.report()[0], what="ready again")
+
+    @async_test
+    async def test_a_client_that_leaves_while_connecting_is_not_retried(self) -> None:
+        """Twisted can report a cancelled connection attempt as the failure it caused (a DNS
+        lookup that failed): that must not look like a refusal worth another attempt."""
+        a = Stub(self.servers)
+        b = Stub(self.servers)
+        self.start(document({"a": a.url, "b": b.url}))
+        attempts: list[str] = []
+
+        def connecting(*args: Any, **kwargs: Any) -> Deferred[Any]:
+            attempts.append(args[1])
+
+            def cancelled(d: Deferred[Any]) -> None:
+                d.errback(GatewayError(502, "DNS lookup failed", fault="connect", retry=True))
+
+            return Deferred(cancelled)
+
+        for name in ("a", "b"):
+            self.gateway.pools[name].upstream.open = connecting  # type: ignore[method-assign]
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await wait_for(lambda: attempts, what="the first attempt")
+        response.disconnect()
+        await self.settled()
+        self.assertEqual(len(attempts), 1)

@@ -57,6 +57,7 @@ million-token prompt, where the 64 KiB error-body limit would cut a long prompt'
 short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
 SESSION_HEADER = b"x-claude-code-session-id"
+CANCELLED = ("client_disconnected", "shutdown")  # outcomes InFlight sets before it cancels
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
@@ -361,6 +362,10 @@ class Messages:
                     answered += 1
             finally:
                 slot.release()
+            if record.outcome in CANCELLED:
+                # The cancel arrived while connecting, and Twisted reported it as the connect
+                # failure it caused: the client is gone, there is nobody to retry for.
+                raise CancelledError()
             avoid = avoid | {slot.replica}
             self.on_retry(pool.upstream.name, fault, len(avoid) < len(target.pools))
             if deadline is None:
