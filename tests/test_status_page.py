@@ -192,6 +192,9 @@ class PageAndStream(TestCase):
         style = await self.get("/status/status.css")
         self.assertEqual(style.header("content-type"), "text/css; charset=utf-8")
         self.assertEqual((await self.get("/status/status.html")).status, 404)
+        options = raw_request(self.port, "OPTIONS", "/status/events")
+        await options.closed
+        self.assertEqual(options.status, 405)
         self.assertEqual((await self.get("/status/..%2fpool.py")).status, 404)
 
     @async_test

@@ -215,6 +215,9 @@ class GatewayApp:
         stop = self._light(request, protected=self.access.protect_metrics)
         if stop is not None:
             return stop
+        if request.method != b"GET":
+            request.setHeader(b"allow", b"GET")
+            return send_error(request, GatewayError(405, "use GET"), anthropic=False)
         return self.status_page.subscribe(request)
 
     @app.route("/status/<name>", methods=["GET", "HEAD"])
