@@ -9,14 +9,23 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from twisted.internet.defer import CancelledError
+from twisted.internet import reactor
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.limiter import PositionedSemaphore
 from homelab_gateway.statuspage import HEARTBEAT, LIVE_INTERVAL, MIN_INTERVAL, StatusPage
 from homelab_gateway.telemetry import Telemetry
-from tests.helpers import RawResponse, Servers, chat, gateway_document, raw_request, wait_for
+from tests.helpers import (
+    PROMPTLY,
+    RawResponse,
+    Servers,
+    chat,
+    gateway_document,
+    raw_request,
+    wait_for,
+)
 from tests.test_proxy import async_test
 
 KEY = "sk-gw-status-page-key"
@@ -271,3 +280,16 @@ class PageAndStream(TestCase):
         for hidden in (KEY, secret, answer_text[:20]):
             self.assertNotIn(hidden, text)
         self.assertIn("key-", text)  # the client is named by its key's digest, not the key
+
+    @async_test
+    async def test_an_open_page_does_not_hold_up_shutdown(self) -> None:
+        self.start()
+        stream = self.stream()
+        await stream.until_text("event: snapshot")
+        gateway = self.servers.gateway
+        assert gateway is not None
+        self.assertEqual(len(gateway.app.status_page.subscribers), 1)
+        # Well within close_timeout (5 s), which a connection kept open would wait out.
+        await Deferred.fromCoroutine(gateway.drain()).addTimeout(PROMPTLY, reactor)
+        await stream.closed
+        self.assertEqual(gateway.app.status_page.subscribers, set())
