@@ -80,6 +80,23 @@ class Pushing(TestCase):
             self.telemetry.finish(self.request())
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_finished_are_the_requests_for_a_model_or_through_the_slots(self) -> None:
+        for surface, fields in (
+            ("messages", {"served_model": "reasoning"}),
+            ("proxy", {"upstream": "vllm", "queue_wait": 0.0}),
+            ("proxy", {"upstream": "/nas/"}),  # a plain route: no slots
+            ("messages", {}),  # refused before its body was read: a 401
+        ):
+            record = self.telemetry.start("req_x", surface, b"POST", b"/x")
+            for name, value in fields.items():
+                setattr(record, name, value)
+            self.telemetry.finish(record)
+        self.assertEqual(
+            [(r.surface, r.upstream) for r, _ in self.telemetry.recent],
+            [("messages", ""), ("proxy", "vllm")],
+        )
+        self.assertEqual(self.telemetry.active, {})
+
     def test_a_snapshot_at_once_then_a_heartbeat_while_idle(self) -> None:
         request = FakeRequest()
         self.page.subscribe(request)  # type: ignore[arg-type]

@@ -186,7 +186,9 @@ class Telemetry:
 
     def finish(self, record: RequestRecord) -> None:
         self.active.pop(id(record), None)
-        if record.upstream:  # it was meant for an upstream: not a bare 401 or a stray path
+        # A request for a model, or one that went through an upstream's slots: a plain route's
+        # traffic (a NAS's web UI), 401s and stray paths would push the answers out of view.
+        if record.served_model is not None or record.queue_wait is not None:
             self.recent.append((record, self.clock.seconds()))
         if self.on_change is not None:
             self.on_change()
