@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from playwright.sync_api import Locator, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Locator, Page, Route, expect, sync_playwright
 
 from tests.helpers import PATIENCE
 from tests.processes import Process, start_gateway, start_stub
@@ -40,6 +40,7 @@ CHROMIUM_ARGS = [
     "--disable-dev-shm-usage",  # a container's small /dev/shm crashes renderers
 ]
 WAIT_MS = PATIENCE * 1000
+expect.set_options(timeout=WAIT_MS)  # every wait for a DOM state below is bounded by PATIENCE
 KEYS = {"OPS_KEY": "ops-key-1", "FRONTEND_KEY": "fe-key-2", "CLAUDE_KEY": "cc-key-3"}
 KEYS["NIGHTLY_KEY"] = "nightly-key-4"
 
@@ -97,15 +98,24 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def page(gateway: str) -> Iterator[Page]:
+def browser() -> Iterator[Browser]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": 1280, "height": 900})
-            context.set_default_timeout(WAIT_MS)
-            yield context.new_page()
+            yield browser
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A fresh tab (its own sessionStorage) for each test."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(WAIT_MS)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
 
 
 def stream(url: str, key: str, model: str, content: str = "long") -> socket.socket:
@@ -150,39 +160,36 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
 ) -> None:
     page.goto(gateway + "/")  # redirected to the page
     assert page.url == gateway + "/status"
-    expect(page.locator("#key-form")).to_be_visible(timeout=WAIT_MS)  # protect_metrics
+    expect(page.locator("#key-form")).to_be_visible()  # protect_metrics
     page.fill("#key", "wrong")
     page.click("#key-form button[type=submit]")
-    expect(page.locator("#key-message")).to_contain_text("not accepted", timeout=WAIT_MS)
+    expect(page.locator("#key-message")).to_contain_text("not accepted")
     page.fill("#key", KEYS["OPS_KEY"])
     page.click("#key-form button[type=submit]")
-    expect(page.locator("#connection")).to_have_attribute("data-state", "live", timeout=WAIT_MS)
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
 
     vllm = card(page, "vllm")
     bar = vllm.locator(".bar")
-    expect(bar).to_have_attribute("aria-valuenow", "0", timeout=WAIT_MS)
-    expect(bar).to_have_attribute("aria-valuemax", "2", timeout=WAIT_MS)
-    expect(vllm.locator(".models")).to_have_text("reasoning, qwen-coder", timeout=WAIT_MS)
+    expect(bar).to_have_attribute("aria-valuenow", "0")
+    expect(bar).to_have_attribute("aria-valuemax", "2")
+    expect(vllm.locator(".models")).to_have_text("reasoning, qwen-coder")
 
     for key, model in ((KEYS["FRONTEND_KEY"], "reasoning"), (KEYS["NIGHTLY_KEY"], "qwen-coder")):
         answer(gateway, key, model)
-    expect(page.locator("#finished td", has_text="completed")).to_have_count(2, timeout=WAIT_MS)
-    expect(bar).to_have_attribute("aria-valuenow", "0", timeout=WAIT_MS)
+    expect(page.locator("#finished td", has_text="completed")).to_have_count(2)
+    expect(bar).to_have_attribute("aria-valuenow", "0")
 
     held = [stream(gateway, KEYS["FRONTEND_KEY"], "reasoning")]
-    expect(bar).to_have_attribute("aria-valuenow", "1", timeout=WAIT_MS)
-    expect(bar).to_have_attribute("data-full", "false", timeout=WAIT_MS)
+    expect(bar).to_have_attribute("aria-valuenow", "1")
+    expect(bar).to_have_attribute("data-full", "false")
     page.wait_for_function(
-        "() => Number(document.querySelector('#in-flight td.tokens')?.textContent) > 0",
-        timeout=WAIT_MS,
+        "() => Number(document.querySelector('#in-flight td.tokens')?.textContent) > 0"
     )
     held.append(stream(gateway, KEYS["CLAUDE_KEY"], "qwen-coder"))
     held.append(stream(gateway, KEYS["CLAUDE_KEY"], "qwen2.5:3b-instruct"))
-    expect(bar).to_have_attribute("aria-valuenow", "2", timeout=WAIT_MS)
-    expect(bar).to_have_attribute("data-full", "true", timeout=WAIT_MS)
-    expect(card(page, "ollama").locator(".bar")).to_have_attribute(
-        "aria-valuenow", "1", timeout=WAIT_MS
-    )
+    expect(bar).to_have_attribute("aria-valuenow", "2")
+    expect(bar).to_have_attribute("data-full", "true")
+    expect(card(page, "ollama").locator(".bar")).to_have_attribute("aria-valuenow", "1")
 
     waiting = [
         stream(gateway, KEYS["NIGHTLY_KEY"], "reasoning"),
@@ -191,12 +198,12 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
         stream(gateway, KEYS["CLAUDE_KEY"], "reasoning"),
         stream(gateway, KEYS["FRONTEND_KEY"], "reasoning"),
     ]
-    expect(vllm.locator(".waiting")).to_have_text("5", timeout=WAIT_MS)
-    expect(vllm.locator('[data-class="batch"] b')).to_have_text("3", timeout=WAIT_MS)
-    expect(vllm.locator('[data-class="interactive"] b')).to_have_text("1", timeout=WAIT_MS)
-    expect(vllm.locator('tr[data-client="nightly"] td.num')).to_have_text("3", timeout=WAIT_MS)
-    expect(vllm.locator(".longest")).to_be_visible(timeout=WAIT_MS)
-    expect(page.locator("#in-flight-count")).to_have_text("3", timeout=WAIT_MS)
+    expect(vllm.locator(".waiting")).to_have_text("5")
+    expect(vllm.locator('[data-class="batch"] b')).to_have_text("3")
+    expect(vllm.locator('[data-class="interactive"] b')).to_have_text("1")
+    expect(vllm.locator('tr[data-client="nightly"] td.num')).to_have_text("3")
+    expect(vllm.locator(".longest")).to_be_visible()
+    expect(page.locator("#in-flight-count")).to_have_text("3")
     text = page.locator("body").inner_text()
     assert not any(key in text for key in KEYS.values())
     screenshot = os.environ.get("STATUS_PAGE_SCREENSHOT")
@@ -205,12 +212,59 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
 
     for connection in waiting + held:
         connection.close()
-    expect(bar).to_have_attribute("aria-valuenow", "0", timeout=WAIT_MS)
-    expect(vllm.locator(".waiting")).to_have_text("0", timeout=WAIT_MS)
-    expect(card(page, "ollama").locator(".bar")).to_have_attribute(
-        "aria-valuenow", "0", timeout=WAIT_MS
+    expect(bar).to_have_attribute("aria-valuenow", "0")
+    expect(vllm.locator(".waiting")).to_have_text("0")
+    expect(card(page, "ollama").locator(".bar")).to_have_attribute("aria-valuenow", "0")
+    expect(page.locator("#in-flight-count")).to_have_text("0")
+    expect(page.locator("#finished td", has_text="client_disconnected")).to_have_count(8)
+
+
+def test_health_and_a_models_line_are_shown_where_the_gateway_says_and_names_stay_text(
+    gateway: str, page: Page
+) -> None:
+    """Fields /llm/v1/status does not have yet (an upstream's health, a line per model) are
+    drawn when a snapshot has them; a name is never markup. The stream is held off so that
+    only the snapshot given here is drawn."""
+
+    def refuse(route: Route) -> None:
+        route.abort()
+
+    page.route("**/status/events", refuse)
+    page.goto(gateway + "/status")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "reconnecting")
+    trap = '<img src=x onerror="document.title=1">'
+    line = {"waiting": 2, "waiting_by_client": [{"client": trap, "count": 2}]}
+    page.evaluate(
+        """snapshot => render(snapshot)""",
+        {
+            "version": "9.9.9",
+            "now": 1000.0,
+            "uptime_s": 90061,
+            "upstreams": {
+                "box-a": {
+                    "slots": 4,
+                    "in_use": 1,
+                    "health": "down",
+                    "down_since": 990.0,
+                    "last_error": "connection refused",
+                    "models": ["reasoning"],
+                    **line,
+                },
+                "box-b": {"slots": 4, "in_use": 0, "health": "half-open", "waiting": 0},
+            },
+            "models": {"reasoning": line},
+            "in_flight": [],
+            "in_flight_total": 0,
+            "finished": [],
+        },
     )
-    expect(page.locator("#in-flight-count")).to_have_text("0", timeout=WAIT_MS)
-    expect(page.locator("#finished td", has_text="client_disconnected")).to_have_count(
-        8, timeout=WAIT_MS
-    )
+    box = card(page, "box-a")
+    expect(box.locator(".health")).to_have_attribute("data-health", "down")
+    expect(box.locator(".health-detail")).to_contain_text("connection refused")
+    expect(card(page, "box-b").locator(".health")).to_have_text("half-open")
+    expect(page.locator("#model-section")).to_be_visible()
+    expect(page.locator('[data-model="reasoning"] .waiting')).to_have_text("2")
+    expect(page.locator("#uptime")).to_have_text("1d 1h")
+    expect(box.locator("td", has_text=trap)).to_have_count(1)  # the name, as text
+    assert page.locator("img").count() == 0
+    assert page.title() != "1"
