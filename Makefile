@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The status page's browser test drives Debian's chromium through Playwright, which is never
+# asked to download a browser of its own.
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test install bench chaos
 
@@ -17,7 +20,11 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/twistd --nodaemon --pidfile= homelab-gateway --demo
 
-test: install
+$(CHROMIUM):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
+test: install $(CHROMIUM)
 	$(BIN)/ruff check src tests twisted bench
 	$(BIN)/ruff format --check src tests twisted bench
 	$(BIN)/python -m pytest

@@ -150,6 +150,10 @@ def test_bad_toml(tmp_path: Path) -> None:
             "routes[0].prefix: '/llm/x/' is reserved",
         ),
         (
+            "[[routes]]\nprefix = '/status/'\nurl = 'http://x'",
+            "routes[0].prefix: '/status/' is reserved",
+        ),
+        (
             "[[routes]]\nprefix = '/x/'\nurl = 'http://x'\n[[routes]]\nprefix = '/x/'\nurl = 'http://y'",
             "routes[1].prefix: '/x/' is used by another route",
         ),

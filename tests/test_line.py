@@ -95,6 +95,18 @@ class LineUnit(TestCase):
         line.settle(grant, 0.0)
         self.assertEqual(line._clients, {})  # nothing owed, nothing waiting: nothing kept
 
+    def test_oldest_arrival_is_the_longest_waiter_whoever_goes_first(self) -> None:
+        line: Line[str] = Line(aging=None)
+        self.assertIsNone(line.oldest_arrival())
+        line.join("b1", "b", BATCH, 1.0)
+        line.join("i1", "a", INTERACTIVE, 2.0)
+        line.join("n1", "c", NORMAL, 3.0)
+        self.assertEqual(line.oldest_arrival(), 1.0)
+        self.assertEqual(line.pop(4.0)[0], "i1")  # type: ignore[index]
+        self.assertEqual(line.oldest_arrival(), 1.0)
+        line.leave("b1")
+        self.assertEqual(line.oldest_arrival(), 3.0)
+
 
 line_op = st.one_of(
     st.tuples(

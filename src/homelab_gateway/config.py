@@ -586,7 +586,7 @@ def _parse_route(section: _Section, upstreams: Mapping[str, UpstreamConfig]) -> 
     prefix = section.string("prefix", required=True)
     if not prefix.startswith("/") or not prefix.endswith("/") or prefix == "/":
         raise section.error("prefix", f"must start and end with '/' and not be '/', got {prefix!r}")
-    if prefix.startswith(("/llm/", "/healthz/")):
+    if prefix.startswith(("/llm/", "/healthz/", "/status/")):
         raise section.error("prefix", f"{prefix!r} is reserved for the gateway's own endpoints")
     has_upstream = "upstream" in section.table
     has_url = "url" in section.table

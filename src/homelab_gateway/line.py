@@ -330,6 +330,11 @@ class Line(Generic[T]):
             counts[CLASSES[effective_rank(waiter.rank, now - waiter.arrived, self.aging)]] += 1
         return counts
 
+    def oldest_arrival(self) -> float | None:
+        """When the longest-waiting waiter joined, O(1): waiters are kept in joining order."""
+        first = next(iter(self._waiters.values()), None)
+        return None if first is None else first.arrived
+
     def waiting_by_client(self) -> dict[str, int]:
         return {name: state.waiting for name, state in self._clients.items() if state.waiting}
 

@@ -472,6 +472,7 @@ class Messages:
             ):
                 record.first_token = self.clock.seconds() - sent_at
             emitted = True
+            record.output_tokens = translator.final_output_tokens  # the status page's count
             emit(events)
 
         def on_data(data: bytes) -> None:

@@ -15,7 +15,8 @@ UTF-8 breaks every later scrape), and log fields are capped and escaped.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 UNKNOWN_MODEL = "unknown"
 LOGGED_CHARS = 200  # of each client-chosen string in a log line
+RECENT = 50  # finished requests kept for the status page
 
 request_log = Logger(namespace="homelab_gateway.requests")
 ANONYMOUS_LABEL = "anonymous"
@@ -123,8 +125,16 @@ class _SlotCollector(Collector):
 
 
 class Telemetry:
+    """Metrics and the request log, and what the status page reads: the requests being
+    handled (`active`, by `id` of the record) and the last `RECENT` finished ones with the
+    moment each ended. Both are kept in O(1) per request whether or not a page is open;
+    `on_change`, if set, is told of every start and finish (the page's push)."""
+
     def __init__(self, clock: IReactorTime, pools: Mapping[str, Pool]) -> None:
         self.clock = clock
+        self.active: dict[int, RequestRecord] = {}
+        self.recent: deque[tuple[RequestRecord, float]] = deque(maxlen=RECENT)
+        self.on_change: Callable[[], None] | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_SlotCollector(pools))
         self.requests = Counter(
@@ -191,15 +201,26 @@ class Telemetry:
             self.failovers.labels(upstream, reason).inc()
 
     def start(self, request_id: str, surface: str, method: bytes, path: bytes) -> RequestRecord:
-        return RequestRecord(
+        record = RequestRecord(
             request_id=request_id,
             surface=surface,
             started=self.clock.seconds(),
             method=method.decode("latin-1"),
             path=path.decode("latin-1"),
         )
+        self.active[id(record)] = record
+        if self.on_change is not None:
+            self.on_change()
+        return record
 
     def finish(self, record: RequestRecord) -> None:
+        self.active.pop(id(record), None)
+        # A request for a model, or one that went through an upstream's slots: a plain route's
+        # traffic (a NAS's web UI), 401s and stray paths would push the answers out of view.
+        if record.served_model is not None or record.queue_wait is not None:
+            self.recent.append((record, self.clock.seconds()))
+        if self.on_change is not None:
+            self.on_change()
         outcome = record.outcome or "completed"
         model_label = record.served_model or (UNKNOWN_MODEL if record.model else "")
         self.requests.labels(record.upstream, record.surface, model_label, outcome).inc()

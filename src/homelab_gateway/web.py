@@ -27,6 +27,7 @@ from homelab_gateway.proxy import ReverseProxy
 from homelab_gateway.readiness import Readiness
 from homelab_gateway.replicas import UP
 from homelab_gateway.respond import send_error, send_json
+from homelab_gateway.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
@@ -67,6 +68,9 @@ class GatewayApp:
         self.telemetry = telemetry
         self.readiness = readiness
         self.metrics_resource = MetricsResource(telemetry.registry)
+        self.status_page = StatusPage(
+            messages.clock, telemetry, pools, models, self.status_document
+        )
 
     def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
         request_id = request.request_id  # GatewayRequest gives every answer one
@@ -194,6 +198,10 @@ class GatewayApp:
         stop = self._light(request, protected=self.access.protect_metrics)
         if stop is not None:
             return stop
+        return send_json(request, 200, self.status_document())
+
+    def status_document(self) -> dict[str, Any]:
+        """What `/llm/v1/status` says; the status page shows the same, with more."""
         now = self.messages.clock.seconds()
         models: dict[str, list[str]] = {}
         for model in self.models.values():
@@ -224,7 +232,30 @@ class GatewayApp:
             }
             for model in self.models.values()
         }
-        return send_json(request, 200, {"upstreams": upstreams, "models": lines})
+        return {"upstreams": upstreams, "models": lines}
+
+    @app.route("/status", methods=["GET", "HEAD"])
+    def status_page_html(self, request: IRequest) -> bytes:
+        return send_asset(request, PAGE)
+
+    @app.route("/status/events", methods=["GET", "OPTIONS"])
+    def status_events(self, request: IRequest) -> Any:
+        """The page's event stream: it needs a key where `/llm/v1/status` does, sent as a
+        header (the page reads the stream with fetch, not EventSource, which cannot send one:
+        a key in the URL would be written to proxies' logs and the browser's history)."""
+        stop = self._light(request, protected=self.access.protect_metrics)
+        if stop is not None:
+            return stop
+        if request.method != b"GET":
+            request.setHeader(b"allow", b"GET")
+            return send_error(request, GatewayError(405, "use GET"), anthropic=False)
+        return self.status_page.subscribe(request)
+
+    @app.route("/status/<name>", methods=["GET", "HEAD"])
+    def status_asset(self, request: IRequest, name: str) -> bytes:
+        if name not in PAGE_FILES:
+            return send_error(request, GatewayError(404, "no route for this path"), anthropic=False)
+        return send_asset(request, name)
 
     @app.route("/", branch=True)
     def everything_else(self, request: IRequest) -> Any:
@@ -234,6 +265,10 @@ class GatewayApp:
                 request, GatewayError(404, f"no such endpoint: {path.decode('latin-1')}")
             )
         matched = self.proxy.match(path)
+        if matched is None and path == b"/" and request.method in (b"GET", b"HEAD"):
+            request.setResponseCode(302)
+            request.setHeader(b"location", b"status")  # relative: right behind a path prefix
+            return b""
         if matched is None:
             target = self.proxy.redirect_target(path)
             if target is not None:

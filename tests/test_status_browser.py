@@ -1,0 +1,270 @@
+"""The status page in a real browser: Debian's headless chromium, driven by Playwright, against
+the real daemon and the real stub, both run by twistd.
+
+Playwright's sync API runs here in pytest's own thread: this module starts no reactor (the
+daemon and the stub are child processes), so nothing competes with Playwright's event loop
+and nothing is left on a reactor. Every wait is Playwright's own wait for a DOM state,
+bounded by PATIENCE. `make test` installs chromium where it is missing; Playwright is never
+asked to download a browser.
+
+With STATUS_PAGE_SCREENSHOT=PATH set, the page under load is saved there (docs/status-page.png
+is made this way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from playwright.sync_api import Browser, Locator, Page, Route, expect, sync_playwright
+
+from tests.helpers import PATIENCE
+from tests.processes import Process, start_gateway, start_stub
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",  # root in a container: chromium's sandbox needs user namespaces
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",  # a container's small /dev/shm crashes renderers
+]
+WAIT_MS = PATIENCE * 1000
+expect.set_options(timeout=WAIT_MS)  # every wait for a DOM state below is bounded by PATIENCE
+KEYS = {"OPS_KEY": "ops-key-1", "FRONTEND_KEY": "fe-key-2", "CLAUDE_KEY": "cc-key-3"}
+KEYS["NIGHTLY_KEY"] = "nightly-key-4"
+
+
+def config(vllm: str, ollama: str) -> str:
+    return f"""
+[auth]
+api_keys_env = "OPS_KEY"
+protect_metrics = true
+
+[clients.frontend]
+key_env = "FRONTEND_KEY"
+priority = "interactive"
+
+[clients.claude-code]
+key_env = "CLAUDE_KEY"
+
+[clients.nightly]
+key_env = "NIGHTLY_KEY"
+priority = "batch"
+
+[upstreams.vllm]
+url = "{vllm}"
+slots = 2
+
+[upstreams.ollama]
+url = "{ollama}"
+slots = 1
+
+[models.reasoning]
+upstream = "vllm"
+
+[models.qwen-coder]
+upstream = "vllm"
+
+[models."qwen2.5:3b-instruct"]
+upstream = "ollama"
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    cwd = tmp_path_factory.mktemp("status-page")
+    # 20 tokens a second: a `long` answer (2,000 tokens) holds its slot until it is dropped.
+    vllm, vllm_url = start_stub(cwd, "--delay", "0.05")
+    ollama, ollama_url = start_stub(cwd, "--delay", "0.05")
+    processes: list[Process] = [vllm, ollama]
+    try:
+        daemon, url = start_gateway(cwd, config(vllm_url, ollama_url), env=KEYS)
+        processes.append(daemon)
+        yield url
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A fresh tab (its own sessionStorage) for each test."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(WAIT_MS)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+def stream(url: str, key: str, model: str, content: str = "long") -> socket.socket:
+    """A streaming request left open, never read: closing the socket is the client leaving."""
+    address = urlsplit(url)
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 4000,
+            "stream": True,
+            "messages": [{"role": "user", "content": content}],
+        }
+    ).encode()
+    head = (
+        f"POST /llm/v1/messages HTTP/1.1\r\nHost: {address.netloc}\r\n"
+        f"Content-Type: application/json\r\nx-api-key: {key}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    connection = socket.create_connection((address.hostname, address.port), timeout=PATIENCE)
+    connection.sendall(head.encode() + body)
+    return connection
+
+
+def answer(url: str, key: str, model: str) -> None:
+    """A whole non-streaming answer (16 tokens)."""
+    body = {"model": model, "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+    request = urllib.request.Request(
+        url + "/llm/v1/messages",
+        json.dumps(body).encode(),
+        {"content-type": "application/json", "x-api-key": key},
+    )
+    with urllib.request.urlopen(request, timeout=PATIENCE) as response:
+        assert json.load(response)["stop_reason"] == "end_turn"
+
+
+def card(page: Page, upstream: str) -> Locator:
+    return page.locator(f'[data-upstream="{upstream}"]')
+
+
+def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
+    gateway: str, page: Page
+) -> None:
+    page.goto(gateway + "/")  # redirected to the page
+    assert page.url == gateway + "/status"
+    expect(page.locator("#key-form")).to_be_visible()  # protect_metrics
+    page.fill("#key", "wrong")
+    page.click("#key-form button[type=submit]")
+    expect(page.locator("#key-message")).to_contain_text("not accepted")
+    page.fill("#key", KEYS["OPS_KEY"])
+    page.click("#key-form button[type=submit]")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+
+    vllm = card(page, "vllm")
+    bar = vllm.locator(".bar")
+    expect(bar).to_have_attribute("aria-valuenow", "0")
+    expect(bar).to_have_attribute("aria-valuemax", "2")
+    expect(vllm.locator(".models")).to_have_text("reasoning, qwen-coder")
+
+    for key, model in ((KEYS["FRONTEND_KEY"], "reasoning"), (KEYS["NIGHTLY_KEY"], "qwen-coder")):
+        answer(gateway, key, model)
+    expect(page.locator("#finished td", has_text="completed")).to_have_count(2)
+    expect(bar).to_have_attribute("aria-valuenow", "0")
+
+    held = [stream(gateway, KEYS["FRONTEND_KEY"], "reasoning")]
+    expect(bar).to_have_attribute("aria-valuenow", "1")
+    expect(bar).to_have_attribute("data-full", "false")
+    page.wait_for_function(
+        "() => Number(document.querySelector('#in-flight td.tokens')?.textContent) > 0"
+    )
+    held.append(stream(gateway, KEYS["CLAUDE_KEY"], "qwen-coder"))
+    held.append(stream(gateway, KEYS["CLAUDE_KEY"], "qwen2.5:3b-instruct"))
+    expect(bar).to_have_attribute("aria-valuenow", "2")
+    expect(bar).to_have_attribute("data-full", "true")
+    expect(card(page, "ollama").locator(".bar")).to_have_attribute("aria-valuenow", "1")
+
+    waiting = [
+        stream(gateway, KEYS["NIGHTLY_KEY"], "reasoning"),
+        stream(gateway, KEYS["NIGHTLY_KEY"], "reasoning"),
+        stream(gateway, KEYS["NIGHTLY_KEY"], "qwen-coder"),
+        stream(gateway, KEYS["CLAUDE_KEY"], "reasoning"),
+        stream(gateway, KEYS["FRONTEND_KEY"], "reasoning"),
+    ]
+    expect(vllm.locator(".waiting")).to_have_text("5")
+    expect(vllm.locator('[data-class="batch"] b')).to_have_text("3")
+    expect(vllm.locator('[data-class="interactive"] b')).to_have_text("1")
+    expect(vllm.locator('tr[data-client="nightly"] td.num')).to_have_text("3")
+    expect(vllm.locator(".longest")).to_be_visible()
+    expect(page.locator("#in-flight-count")).to_have_text("3")
+    text = page.locator("body").inner_text()
+    assert not any(key in text for key in KEYS.values())
+    screenshot = os.environ.get("STATUS_PAGE_SCREENSHOT")
+    if screenshot:
+        page.screenshot(path=Path(screenshot), full_page=True)
+
+    for connection in waiting + held:
+        connection.close()
+    expect(bar).to_have_attribute("aria-valuenow", "0")
+    expect(vllm.locator(".waiting")).to_have_text("0")
+    expect(card(page, "ollama").locator(".bar")).to_have_attribute("aria-valuenow", "0")
+    expect(page.locator("#in-flight-count")).to_have_text("0")
+    expect(page.locator("#finished td", has_text="client_disconnected")).to_have_count(8)
+
+
+def test_health_and_a_models_line_are_shown_where_the_gateway_says_and_names_stay_text(
+    gateway: str, page: Page
+) -> None:
+    """Fields /llm/v1/status does not have yet (an upstream's health, a line per model) are
+    drawn when a snapshot has them; a name is never markup. The stream is held off so that
+    only the snapshot given here is drawn."""
+
+    def refuse(route: Route) -> None:
+        route.abort()
+
+    page.route("**/status/events", refuse)
+    page.goto(gateway + "/status")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "reconnecting")
+    trap = '<img src=x onerror="document.title=1">'
+    line = {"waiting": 2, "waiting_by_client": [{"client": trap, "count": 2}]}
+    page.evaluate(
+        """snapshot => render(snapshot)""",
+        {
+            "version": "9.9.9",
+            "now": 1000.0,
+            "uptime_s": 90061,
+            "upstreams": {
+                "box-a": {
+                    "slots": 4,
+                    "in_use": 1,
+                    "health": "down",
+                    "down_since": 990.0,
+                    "last_error": "connection refused",
+                    "models": ["reasoning"],
+                    **line,
+                },
+                "box-b": {"slots": 4, "in_use": 0, "health": "half-open", "waiting": 0},
+            },
+            "models": {"reasoning": line},
+            "in_flight": [],
+            "in_flight_total": 0,
+            "finished": [],
+        },
+    )
+    box = card(page, "box-a")
+    expect(box.locator(".health")).to_have_attribute("data-health", "down")
+    expect(box.locator(".health-detail")).to_contain_text("connection refused")
+    expect(card(page, "box-b").locator(".health")).to_have_text("half-open")
+    expect(page.locator("#model-section")).to_be_visible()
+    expect(page.locator('[data-model="reasoning"] .waiting')).to_have_text("2")
+    expect(page.locator("#uptime")).to_have_text("1d 1h")
+    expect(box.locator("td", has_text=trap)).to_have_count(1)  # the name, as text
+    assert page.locator("img").count() == 0
+    assert page.title() != "1"

@@ -1,0 +1,312 @@
+"""The status page: its event stream's timing on a Clock, and the page and stream on real sockets.
+
+The browser's view of it is tests/test_status_browser.py.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.limiter import PositionedSemaphore
+from homelab_gateway.statuspage import HEARTBEAT, LIVE_INTERVAL, MIN_INTERVAL, StatusPage
+from homelab_gateway.telemetry import Telemetry
+from tests.helpers import (
+    PROMPTLY,
+    RawResponse,
+    Servers,
+    chat,
+    gateway_document,
+    raw_request,
+    wait_for,
+)
+from tests.test_proxy import async_test
+
+KEY = "sk-gw-status-page-key"
+
+
+class FakeRequest:
+    """What StatusPage.subscribe uses of a request: headers, a producer, writes."""
+
+    def __init__(self) -> None:
+        self.headers: dict[bytes, bytes] = {}
+        self.producer: Any = None
+        self.written: list[bytes] = []
+
+    def setHeader(self, name: bytes, value: bytes) -> None:
+        self.headers[name] = value
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self.producer = producer
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        out = []
+        for frame in self.written:
+            head, data = frame.decode().rstrip("\n").split("\n")
+            assert head == "event: snapshot", frame
+            out.append(json.loads(data.removeprefix("data: ")))
+        return out
+
+
+class Pushing(TestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1000)
+        self.slots = PositionedSemaphore(1, self.clock)
+        self.document: dict[str, Any] = {"upstreams": {"vllm": {"slots": 1, "waiting": 0}}}
+        self.telemetry = Telemetry(self.clock, {})
+        self.page = StatusPage(
+            self.clock,
+            self.telemetry,
+            {"vllm": SimpleNamespace(slots=self.slots)},  # type: ignore[dict-item]
+            {},
+            lambda: self.document,
+        )
+
+    def request(self) -> Any:
+        return self.telemetry.start("req_x", "messages", b"POST", b"/llm/v1/messages")
+
+    def test_nothing_runs_while_nobody_watches(self) -> None:
+        for _ in range(100):
+            self.telemetry.finish(self.request())
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_finished_are_the_requests_for_a_model_or_through_the_slots(self) -> None:
+        for surface, fields in (
+            ("messages", {"served_model": "reasoning"}),
+            ("proxy", {"upstream": "vllm", "queue_wait": 0.0}),
+            ("proxy", {"upstream": "/nas/"}),  # a plain route: no slots
+            ("messages", {}),  # refused before its body was read: a 401
+        ):
+            record = self.telemetry.start("req_x", surface, b"POST", b"/x")
+            for name, value in fields.items():
+                setattr(record, name, value)
+            self.telemetry.finish(record)
+        self.assertEqual(
+            [(r.surface, r.upstream) for r, _ in self.telemetry.recent],
+            [("messages", ""), ("proxy", "vllm")],
+        )
+        self.assertEqual(self.telemetry.active, {})
+
+    def test_a_snapshot_at_once_then_a_heartbeat_while_idle(self) -> None:
+        request = FakeRequest()
+        self.page.subscribe(request)  # type: ignore[arg-type]
+        self.assertEqual(request.headers[b"content-type"], b"text/event-stream; charset=utf-8")
+        self.assertEqual(len(request.written), 1)
+        self.assertEqual(request.snapshots()[0]["upstreams"]["vllm"]["slots"], 1)
+        self.clock.advance(HEARTBEAT - 0.01)
+        self.assertEqual(len(request.written), 1)
+        self.clock.advance(0.01)
+        self.assertEqual(len(request.written), 2)
+
+    def test_a_burst_of_changes_is_one_frame_within_the_interval(self) -> None:
+        request = FakeRequest()
+        self.page.subscribe(request)  # type: ignore[arg-type]
+        self.clock.advance(5)
+        for _ in range(1000):
+            self.telemetry.finish(self.request())
+        self.clock.advance(0)
+        self.assertEqual(len(request.written), 2)  # the first change after a quiet spell: now
+        for _ in range(1000):
+            self.telemetry.finish(self.request())
+        self.clock.advance(MIN_INTERVAL - 0.01)
+        self.assertEqual(len(request.written), 2)
+        self.clock.advance(0.01)
+        self.assertEqual(len(request.written), 3)
+
+    def test_frames_every_live_interval_while_someone_waits_then_idle_again(self) -> None:
+        request = FakeRequest()
+        self.page.subscribe(request)  # type: ignore[arg-type]
+        self.document["upstreams"]["vllm"]["waiting"] = 1
+        self.slots.acquire()
+        waiter = self.slots.acquire().addErrback(lambda f: f.trap(CancelledError))
+        self.page.changed()
+        self.clock.advance(0)
+        self.assertEqual(len(request.written), 2)
+        for _ in range(3):
+            self.clock.advance(LIVE_INTERVAL)
+        self.assertEqual(len(request.written), 5)
+        self.assertEqual(request.snapshots()[-1]["upstreams"]["vllm"]["longest_wait_s"], 3.0)
+        waiter.cancel()
+        self.document["upstreams"]["vllm"]["waiting"] = 0
+        for _ in range(5):
+            self.clock.advance(LIVE_INTERVAL)
+        self.assertEqual(len(request.written), 6)  # idle: the next is a heartbeat
+        self.assertIsNone(request.snapshots()[-1]["upstreams"]["vllm"]["longest_wait_s"])
+        self.slots.close()
+
+    def test_the_last_subscriber_leaving_stops_the_timer(self) -> None:
+        first, second = FakeRequest(), FakeRequest()
+        one = self.page.subscribe(first)  # type: ignore[arg-type]
+        two = self.page.subscribe(second)  # type: ignore[arg-type]
+        for subscription in (one, two):
+            subscription.addErrback(lambda f: f.trap(CancelledError))
+        one.cancel()
+        self.assertNotEqual(self.clock.getDelayedCalls(), [])
+        two.cancel()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.page.changed()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_reader_that_stopped_gets_only_the_newest_frame_when_it_reads_again(self) -> None:
+        request = FakeRequest()
+        self.page.subscribe(request)  # type: ignore[arg-type]
+        request.producer.pauseProducing()
+        self.clock.advance(HEARTBEAT * 3)
+        self.assertEqual(len(request.written), 1)
+        request.producer.resumeProducing()
+        self.assertEqual(len(request.written), 2)
+        self.assertEqual(request.snapshots()[-1]["uptime_s"], HEARTBEAT * 3)
+
+
+class PageAndStream(TestCase):
+    """The real gateway and stub on loopback sockets."""
+
+    def start(self, **document: Any) -> None:
+        self.servers = Servers(self)
+        self.stub_url, self.stub, self.log = self.servers.stub(hold=0.3, delay=0.01)
+        self.servers.start_gateway(
+            {**gateway_document(self.stub_url, slots=1), **document},
+            environ={"GATEWAY_KEYS": KEY},
+        )
+        self.port = self.servers.gateway_port
+
+    async def get(self, path: str, **headers: str) -> RawResponse:
+        response = raw_request(self.port, "GET", path, headers=headers)
+        await response.closed
+        return response
+
+    def stream(self, **headers: str) -> RawResponse:
+        response = raw_request(self.port, "GET", "/status/events", headers=headers)
+        self.addCleanup(response.disconnect)
+        return response
+
+    @staticmethod
+    def snapshots(response: RawResponse) -> list[dict[str, Any]]:
+        return [data for _, data in response.frames()]
+
+    @async_test
+    async def test_the_root_sends_a_browser_to_the_page(self) -> None:
+        self.start()
+        response = await self.get("/")
+        self.assertEqual(response.status, 302)
+        self.assertEqual(response.header("location"), "status")
+
+    @async_test
+    async def test_the_page_and_its_files_come_from_the_package_with_a_strict_policy(self) -> None:
+        self.start()
+        page = await self.get("/status")
+        self.assertEqual(page.status, 200)
+        self.assertEqual(page.header("content-type"), "text/html; charset=utf-8")
+        policy = page.header("content-security-policy") or ""
+        self.assertIn("default-src 'none'", policy)
+        self.assertIn("script-src 'self'", policy)
+        self.assertIn('src="status/status.js"', page.body_text())
+        self.assertNotIn("http", page.body_text().replace('"http-equiv', ""))  # no CDN
+        script = await self.get("/status/status.js")
+        self.assertEqual(script.header("content-type"), "text/javascript; charset=utf-8")
+        self.assertIn("status/events", script.body_text())
+        style = await self.get("/status/status.css")
+        self.assertEqual(style.header("content-type"), "text/css; charset=utf-8")
+        self.assertEqual((await self.get("/status/status.html")).status, 404)
+        options = raw_request(self.port, "OPTIONS", "/status/events")
+        await options.closed
+        self.assertEqual(options.status, 405)
+        self.assertEqual((await self.get("/status/..%2fpool.py")).status, 404)
+
+    @async_test
+    async def test_the_stream_follows_a_request_through_the_slot(self) -> None:
+        self.start()
+        stream = self.stream(**{"accept-encoding": "gzip"})
+        await stream.until_text("event: snapshot")
+        self.assertEqual(stream.header("content-type"), "text/event-stream; charset=utf-8")
+        self.assertIsNone(stream.header("content-encoding"))
+        first = self.snapshots(stream)[0]
+        self.assertEqual(first["upstreams"]["vllm"]["slots"], 1)
+        self.assertEqual(first["upstreams"]["vllm"]["models"], ["reasoning"])
+        self.assertTrue(first["version"])
+
+        def seen(check: Any) -> bool:
+            return any(check(s) for s in self.snapshots(stream))
+
+        # 2,000 tokens, 10 ms apart: it holds the slot until it leaves.
+        holder = raw_request(
+            self.port, "POST", "/llm/v1/messages", chat(content="long", max_tokens=4000)
+        )
+        await wait_for(lambda: self.log.events("start"), what="the upstream request")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await stream.until(
+            lambda: seen(
+                lambda s: (
+                    s["upstreams"]["vllm"]["in_use"] == 1
+                    and s["upstreams"]["vllm"]["waiting"] == 1
+                    and s["in_flight_total"] == 1
+                    and s["in_flight"][0]["output_tokens"] > 0
+                )
+            )
+        )
+        holder.disconnect()
+        await queued.closed
+        await stream.until(
+            lambda: seen(
+                lambda s: (
+                    s["upstreams"]["vllm"]["in_use"] == 0
+                    and not s["upstreams"]["vllm"]["waiting"]
+                    and sorted(r["outcome"] for r in s["finished"])
+                    == ["client_disconnected", "completed"]
+                )
+            )
+        )
+        finished = self.snapshots(stream)[-1]["finished"]
+        done = next(r for r in finished if r["outcome"] == "completed")
+        self.assertEqual(done["output_tokens"], 16)
+        self.assertGreater(done["queue_wait_s"], 0)
+
+    @async_test
+    async def test_with_protect_metrics_the_data_needs_a_key_and_never_shows_one(self) -> None:
+        self.start(auth={"api_keys_env": "GATEWAY_KEYS", "protect_metrics": True})
+        self.assertEqual((await self.get("/status")).status, 200)  # the page holds no data
+        refused = await self.get("/status/events")
+        self.assertEqual(refused.status, 401)
+        refused = await self.get("/status/events", **{"x-api-key": "wrong"})
+        self.assertEqual(refused.status, 401)
+        stream = self.stream(**{"x-api-key": KEY})
+        await stream.until_text("event: snapshot")
+        secret = "the secret prompt nobody may see"
+        answer = raw_request(
+            self.port, "POST", "/llm/v1/messages", chat(content=secret), {"x-api-key": KEY}
+        )
+        await answer.closed
+        self.assertEqual(answer.status, 200)
+        answer_text = "".join(
+            data["delta"].get("text", "")
+            for name, data in answer.frames()
+            if name == "content_block_delta"
+        )
+        await stream.until(lambda: any(s["finished"] for s in self.snapshots(stream)))
+        text = stream.body_text()
+        for hidden in (KEY, secret, answer_text[:20]):
+            self.assertNotIn(hidden, text)
+        self.assertIn("key-", text)  # the client is named by its key's digest, not the key
+
+    @async_test
+    async def test_an_open_page_does_not_hold_up_shutdown(self) -> None:
+        self.start()
+        stream = self.stream()
+        await stream.until_text("event: snapshot")
+        gateway = self.servers.gateway
+        assert gateway is not None
+        self.assertEqual(len(gateway.app.status_page.subscribers), 1)
+        # Well within close_timeout (5 s), which a connection kept open would wait out.
+        await Deferred.fromCoroutine(gateway.drain()).addTimeout(PROMPTLY, reactor)
+        await stream.closed
+        self.assertEqual(gateway.app.status_page.subscribers, set())
