@@ -148,7 +148,12 @@ class AgainstMetrics(TestCase):
     async def test_every_metric_and_label_the_dashboard_uses_is_exported(self) -> None:
         servers = Servers(self)
         stub_url, _, log = servers.stub(hold=0.3)
-        servers.start_gateway(gateway_document(stub_url, slots=1))
+        document = gateway_document(stub_url, slots=1)
+        # A replica that refuses, preferred to the stub: one retry and one failover to count.
+        document["upstreams"]["down"] = {"url": "http://127.0.0.1:1/v1", "slots": 1}
+        document["upstreams"]["spare"] = {"url": stub_url, "slots": 1, "fallback": True}
+        document["models"]["both"] = {"upstreams": ["down", "spare"]}
+        servers.start_gateway(document)
         port = servers.gateway_port
         assert servers.gateway is not None
         slots = servers.gateway.pools["vllm"].slots
@@ -171,6 +176,9 @@ class AgainstMetrics(TestCase):
         leaver.disconnect()
         await wait_for(lambda: log.events("cancelled"), what="the cancel")
         await wait_for(lambda: slots.in_use == 0, what="the slot to free")
+        retried = raw_request(port, "POST", "/llm/v1/messages", chat(model="both"))
+        await retried.closed
+        self.assertIn("message_stop", retried.body_text())
         await scrape()
 
         problems = {expr: exported.problems(expr) for expr in queries()}
