@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import CancelledError
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -215,3 +216,102 @@ class OneLineManyReplicas(SynchronousTestCase):
         held.result.release()  # released through solo's new line
         self.assertEqual(moved[0].replica, solo)
         self.assertEqual(told, [1])
+
+
+class LineOfReplicasMachine(RuleBasedStateMachine):
+    """Any sequence of joins, releases, cancels, failures, probes and time over one line of
+    three replicas keeps the limiter's promises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.replicas = [
+            Replica(name, limit, fallback=name == "c", circuit=Circuit(2, 10.0))
+            for name, limit in (("a", 2), ("b", 1), ("c", 1))
+        ]
+        self.line = PositionedSemaphore(self.replicas, self.clock, aging=30.0)
+        self.held: list[Slot] = []
+        self.waiting: dict[Deferred[Slot], frozenset[Replica] | None] = {}
+        self.told: dict[Deferred[Slot], list[int]] = {}
+
+    @rule(
+        client=st.sampled_from(["x", "y"]),
+        rank=st.integers(0, 2),
+        among=st.sets(st.integers(0, 2), max_size=3),
+        session=st.sampled_from([None, "s1", "s2"]),
+        first=st.booleans(),
+    )
+    def join(
+        self, client: str, rank: int, among: set[int], session: str | None, first: bool
+    ) -> None:
+        chosen = frozenset(self.replicas[i] for i in among) or None
+        told: list[int] = []
+        d = self.line.acquire_in_line(
+            told.append, client=client, rank=rank, among=chosen, session=session, first=first
+        )
+        if d.called:
+            self.held.append(d.result)
+            return
+        self.waiting[d] = chosen
+        self.told[d] = told
+        d.addCallback(self._granted, d)
+
+    def _granted(self, slot: Slot, d: Deferred[Slot]) -> Slot:
+        among = self.waiting.pop(d)
+        assert among is None or slot.replica in among, "a slot outside the waiter's replicas"
+        self.held.append(slot)
+        return slot
+
+    @precondition(lambda self: self.held)
+    @rule(index=st.integers(0, 100), verdict=st.sampled_from(["none", "ok", "failed"]))
+    def release(self, index: int, verdict: str) -> None:
+        slot = self.held.pop(index % len(self.held))
+        if verdict == "ok":
+            slot.succeeded()
+        elif verdict == "failed":
+            slot.failed("refused")
+        slot.release()
+
+    @precondition(lambda self: self.waiting)
+    @rule(index=st.integers(0, 100))
+    def cancel(self, index: int) -> None:
+        d = list(self.waiting)[index % len(self.waiting)]
+        del self.waiting[d]
+        d.addErrback(lambda f: f.trap(CancelledError))
+        d.cancel()
+
+    @rule(seconds=st.sampled_from([0.1, 0.5, 5.0, 10.0, 31.0]))
+    def wait(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @rule(index=st.integers(0, 2))
+    def probe(self, index: int) -> None:
+        self.line.recovered(self.replicas[index])
+
+    @invariant()
+    def no_replica_over_its_slots(self) -> None:
+        for replica in self.replicas:
+            assert 0 <= replica.held <= replica.limit
+            assert replica.held == sum(1 for s in self.held if s.replica is replica)
+
+    @invariant()
+    def nobody_waits_for_a_slot_it_could_take(self) -> None:
+        now = self.clock.seconds()
+        assert len(self.line.waiting) == len(self.waiting)
+        for among in self.waiting.values():
+            usable = among or frozenset(self.replicas)
+            assert not any(r.open_at(now) for r in usable), (among, self.replicas)
+
+    @invariant()
+    def no_position_told_is_better_than_the_truth(self) -> None:
+        order = list(self.line._order(self.clock.seconds()))
+        for d, told in self.told.items():
+            if d in self.waiting and told:
+                assert told[-1] >= order.index(d) + 1, (told, order.index(d) + 1)
+
+    def teardown(self) -> None:
+        self.line.close()
+
+
+LineOfReplicasMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)
+TestLineOfReplicas = LineOfReplicasMachine.TestCase

@@ -263,7 +263,11 @@ class PositionedSemaphore(DeferredSemaphore):
         want = _Want(among, avoid, session) if among or avoid or session else None
         candidates = self._open_for(want, now)
         if candidates:
-            return succeed(self._grant(candidates, want, self.line.admit(client, rank, now), now))
+            slot = self._grant(candidates, want, self.line.admit(client, rank, now), now)
+            if self.line.charging_moves(client):  # others wait for replicas this one skipped
+                self._tell_rises(now)
+                self._changed()
+            return succeed(slot)
         if not first:
             if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
                 raise QueueFull()
@@ -394,7 +398,8 @@ class PositionedSemaphore(DeferredSemaphore):
             if candidates:
                 self._first.remove(d)
                 client, rank = self._retrying.pop(d)
-                return d, candidates, self.line.admit(client, rank, now), False
+                grant = self.line.admit(client, rank, now)
+                return d, candidates, grant, self.line.charging_moves(client)
         if not self._choosy:  # everyone may take any replica: the head of the line
             popped = self.line.pop(now)
             if popped is None:

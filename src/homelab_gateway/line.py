@@ -237,6 +237,12 @@ class Line(Generic[T]):
         state.finish = start + state.estimate / state.weight
         return Grant(client, rank, state.estimate)
 
+    def charging_moves(self, client: str) -> bool:
+        """Whether charging `client` a grant (`admit`, `take`) may move a waiter back: only its
+        own waiters move, and only past another client's."""
+        state = self._clients.get(client)
+        return state is not None and state.waiting > 0 and self._busy > 1
+
     def settle(self, grant: Grant, held: float) -> bool:
         """Correct a grant's charge with the time its slot was really held. True if that may
         have reordered the line: the client's finish and estimate place only its own waiters,

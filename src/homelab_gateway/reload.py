@@ -41,7 +41,10 @@ def config_changes(old: Config, new: Config) -> list[str]:
         removed="takes no new requests, finishes what it holds",
     )
     changes += _table_changes(
-        "model", old.models, new.models, added=lambda m: f"(upstream {m.upstream})"
+        "model",
+        old.models,
+        new.models,
+        added=lambda m: f"(upstream {'+'.join(m.replicas)})",
     )
     changes += _table_changes(
         "client",
