@@ -262,6 +262,8 @@ class Replicas(TestCase):
             await response.closed
             self.assertEqual(response.status, expected, response.body_text())
             self.assertEqual((refusing.requests, good.stats.requests), (1, 0))
+            circuit = self.replica("a").circuit
+            self.assertEqual((circuit.failures, circuit.state), (0, "up"), "it answered")
         await self.settled()
 
     @async_test

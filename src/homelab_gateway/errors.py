@@ -54,8 +54,8 @@ class GatewayError(Exception):
         # unless the raiser knows better (queue full, queue timeout, shutdown).
         self.outcome = outcome or ("bad_request" if status < 500 else "upstream_error")
         # The replica's fault, counted against its health: "connect" (nothing was sent),
-        # "timeout" (no response headers in time), "reset" (the connection broke before
-        # them), "status" (a 5xx). `retry`: safe to send again elsewhere (see docs).
+        # "timeout" (no response headers in time), "status" (a 502/503/504). `retry`: safe
+        # to send again elsewhere (docs/configuration.md, "Replicas").
         self.fault = fault
         self.retry = retry
 
@@ -81,13 +81,15 @@ def upstream_http_error(status: int, body: bytes, headers_retry_after: str | Non
         return GatewayError(529, message, retry_after=retry_after)
     if status in (400, 413, 422):
         return GatewayError(400 if status != 413 else 413, message)
-    if status >= 500:
-        # 502, 503 and 504 say the server (or the proxy before it) did not take the request
-        # on; any other 5xx may come from running it, and could fail the next replica too.
-        retry = status in RETRIED_STATUSES
-        if status == 503:
-            return GatewayError(529, message, retry_after=retry_after, fault="status", retry=retry)
-        return GatewayError(502, message, fault="status", retry=retry)
+    if status in RETRIED_STATUSES:
+        # 502, 503 and 504 say the server (or the proxy before it) did not take the request on:
+        # the replica is unwell, and another may serve it. Any other 5xx (vLLM's 500 for a
+        # template or parser error) comes from running this request on a server that is up:
+        # it does not count against the replica, and could fail the next one the same way.
+        status_out = 529 if status == 503 else 502
+        return GatewayError(
+            status_out, message, retry_after=retry_after, fault="status", retry=True
+        )
     return GatewayError(502, message)
 
 

@@ -21,6 +21,7 @@ from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import (
+    RETRIED_STATUSES,
     ContextOverflow,
     GatewayError,
     context_overflow,
@@ -421,7 +422,7 @@ class Messages:
         slot: Slot,
     ) -> None:
         """Send the upstream request and pour its translated stream into `emit`; tell `slot`
-        whether the replica answered (any status below 500).
+        whether the replica answered (any status but 502, 503 and 504).
 
         Raises GatewayError while nothing has been emitted (the client can still get an HTTP
         error); after that every failure is an error event through `emit`. With a `request`,
@@ -438,8 +439,8 @@ class Messages:
         except CancelledError:
             record.upstream_cancelled = True
             raise
-        if response.code < 500:
-            slot.succeeded()
+        if response.code not in RETRIED_STATUSES:
+            slot.succeeded()  # it answered, even if with the request's own error
         if response.code != 200:
             error_body = await upstream.read_limited(response)
             overflow = context_overflow(error_body)

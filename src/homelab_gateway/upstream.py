@@ -199,7 +199,7 @@ class Upstream:
                     raise GatewayError(
                         502,
                         f"upstream {self.name} unreachable: {_reason(e)}",
-                        fault="connect" if unsent else "reset",
+                        fault="connect" if unsent else None,
                         retry=unsent,
                     ) from None
             raise AssertionError("unreachable")
