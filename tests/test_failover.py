@@ -7,6 +7,7 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.protocols.policies import WrappingFactory
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
@@ -127,6 +128,14 @@ class Replicas(TestCase):
         a = Stub(self.servers, delay=0.02, content_tokens=40)
         b = Stub(self.servers, delay=0.02, content_tokens=40)
         self.start(document({"a": a.url, "b": b.url}))
+        logged: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "homelab_gateway.service":
+                logged.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
         running = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(4)]
         for response in running:
             await response.until_text("content_block_delta")
@@ -160,6 +169,11 @@ class Replicas(TestCase):
             )
         self.assertEqual(self.replica("a").circuit.state, "up")
         self.assertEqual(a.stats.requests, 3, "the trial request ran on the revived replica")
+        self.assertIn(
+            "upstream a is out of rotation for 0.5s: upstream a unreachable: connection refused",
+            logged,
+        )
+        self.assertIn("upstream a is back in rotation: it answered", logged)
         await self.settled()
 
     @async_test
