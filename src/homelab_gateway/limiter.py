@@ -256,8 +256,11 @@ class PositionedSemaphore(DeferredSemaphore):
         slot is free and the line (or the client's share of it) is full.
         """
         now = self.clock.seconds()
-        if self.waiting:
-            self._hand_over()  # a cool-down that just ended serves those already waiting first
+        cooled = any(m.circuit.state == DOWN and m.open_at(now) for m in self.members)
+        if self.waiting and cooled and self._hand_over():
+            # A cool-down ended in this instant, before its timer ran: those already waiting
+            # got the trial first, and one granted out of turn may have moved others back.
+            self._tell_rises(now)
         if among is not None and len(among) == len(self.members):
             among = None
         want = _Want(among, avoid, session) if among or avoid or session else None
