@@ -23,7 +23,7 @@ def test_a_few_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:
     assert 0 < report["after"]["stub_endless_bytes"] <= ENDLESS_BOUND
     assert report["outages"] >= 2, "the replica died and came back more than once"
     assert report["after"]["served_after_revival"] > 0, "a revived replica took requests"
-    assert report["retries"]["connect"] > 0, "requests met the dead replica and went elsewhere"
+    assert report["retries"].get("connect", 0) > 0, "requests met the dead replica, went on"
     reloads = report["reloads"]
     assert reloads["valid"] > 0 and reloads["invalid"] > 0, reloads
     assert (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])
