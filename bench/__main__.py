@@ -15,6 +15,8 @@ writes JSON (bench/results/). These are measurements, not tests: nothing here fa
   7 fair share     two equal-weight clients flood slots = 2 (one's requests 4x longer) while an
                    interactive client asks every 0.5 s: slot-time shares and Jain's index, the
                    interactive client's wait p50/p95, with named clients and then as one FIFO
+  8 replicas       16 streams for one model over one paced stub replica (4 slots), then over two
+                   (4 slots each, one line): tokens/s and requests/s, and how the work split
 
 `--target URL --model NAME` runs scenarios 1 and 2 against any Anthropic-compatible endpoint
 instead (e.g. another gateway), with nothing started here.
@@ -660,6 +662,7 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         print("6 burst ...", file=sys.stderr)
         report["6_burst"] = burst.run(workdir, args.burst_clients)
         report["7_fair_share"] = run_fair_share(workdir, processes, args.fair_seconds)
+        report["8_replicas"] = run_replicas(workdir, processes, args.replica_streams, args.rounds)
         if args.profile:
             print("profile ...", file=sys.stderr)
             report["profile"] = profile_pass(workdir, gateway_config, big)
@@ -682,6 +685,92 @@ def run_fair_share(workdir: Path, processes: list[Process], seconds: float) -> d
     gateway, url = start_gateway(workdir, fair_config(paced), env=FAIR_KEYS)
     processes.append(gateway)
     return asyncio.run(fair_share(url, log, seconds))
+
+
+# -- 8. replicas ----------------------------------------------------------------------------------
+
+REPLICA_SLOTS = 4
+REPLICA_TOKENS = 200  # per stream: 2 s at the paced stub's 100 tokens/s, like a GPU's stream
+
+
+def replicas_config(first: str, second: str) -> str:
+    """Model `one` on one replica, `two` on two (the first the same stub): the same slots per
+    box, so the difference is the second box."""
+    return f"""
+[upstreams.solo]
+url = "{first}"
+slots = {REPLICA_SLOTS}
+
+[upstreams.left]
+url = "{first}"
+slots = {REPLICA_SLOTS}
+
+[upstreams.right]
+url = "{second}"
+slots = {REPLICA_SLOTS}
+
+[models.one]
+upstreams = ["solo"]
+
+[models.two]
+upstreams = ["left", "right"]
+"""
+
+
+async def replicas(gateway: str, stubs: list[str], streams: int, rounds: int) -> dict[str, Any]:
+    """`streams` concurrent streams (more than one replica's slots) for model `one`, then for
+    `two`, `rounds` times; the speed-up is the median of the rounds' own ratios. The stubs are
+    paced (a token every 10 ms), so the figure is the line spreading over boxes, not the
+    stub's CPU on a shared 2-core machine."""
+    rates: dict[str, list[float]] = {"one": [], "two": []}
+    per_s: dict[str, list[float]] = {"one": [], "two": []}
+    split: list[int] = []
+    for _ in range(rounds):
+        for model in ("one", "two"):
+            before = [get_json(stub + "/stub/status")["requests"] for stub in stubs]
+            rate, tokens = await streams_rate(
+                gateway + "/llm/v1/messages",
+                anthropic_body(model, "content-only"),
+                streams,
+                is_anthropic_token,
+            )
+            after = [get_json(stub + "/stub/status")["requests"] for stub in stubs]
+            rates[model].append(rate)
+            per_s[model].append(streams * rate / tokens)
+            if model == "two":
+                split = [a - b for a, b in zip(after, before, strict=True)]
+    ratios = [t / o for t, o in zip(rates["two"], rates["one"], strict=True)]
+    return {
+        "streams": streams,
+        "slots_per_replica": REPLICA_SLOTS,
+        "tokens_per_stream": REPLICA_TOKENS,
+        "rounds": rounds,
+        "one_replica_tokens_per_s": round(statistics.median(rates["one"])),
+        "one_replica_requests_per_s": round(statistics.median(per_s["one"]), 2),
+        "two_replicas_tokens_per_s": round(statistics.median(rates["two"])),
+        "two_replicas_requests_per_s": round(statistics.median(per_s["two"]), 2),
+        "speedup": round(statistics.median(ratios), 2),
+        "speedup_all": [round(r, 2) for r in ratios],
+        "two_replicas_split_last_round": split,
+    }
+
+
+def run_replicas(
+    workdir: Path, processes: list[Process], streams: int, rounds: int
+) -> dict[str, Any]:
+    """Scenario 8 on a gateway and two paced stubs of its own."""
+    print("8 replicas ...", file=sys.stderr)
+    paced = ("--reasoning-tokens", "0", "--content-tokens", str(REPLICA_TOKENS), "--delay", "0.01")
+    urls = []
+    for _ in range(2):
+        stub, stub_url = start_stub(workdir, *paced)
+        processes.append(stub)
+        urls.append(stub_url)
+    (workdir / "replicas").mkdir(exist_ok=True)
+    gateway, url = start_gateway(workdir / "replicas", replicas_config(*urls))
+    processes.append(gateway)
+    stubs = [u.removesuffix("/v1") for u in urls]
+    return asyncio.run(replicas(url, stubs, streams, rounds))
 
 
 def machine() -> dict[str, Any]:
@@ -722,6 +811,14 @@ def main() -> None:
     parser.add_argument(
         "--only-fair", action="store_true", help="run scenario 7 alone (it starts its own gateway)"
     )
+    parser.add_argument(
+        "--only-replicas",
+        action="store_true",
+        help="run scenario 8 alone (it starts its own stubs and gateway)",
+    )
+    parser.add_argument(
+        "--replica-streams", type=int, default=16, help="concurrent streams, scenario 8"
+    )
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument(
         "--target", help="an Anthropic-compatible base URL ending in the part before /v1"
@@ -734,14 +831,19 @@ def main() -> None:
             "1_throughput": asyncio.run(throughput(None, args.target, args.model, args.rounds)),
             "2_latency": asyncio.run(latency(None, args.target, args.model, args.latency_requests)),
         }
-    elif args.only_fair:
+    elif args.only_fair or args.only_replicas:
         with tempfile.TemporaryDirectory() as workdir:
             processes: list[Process] = []
             try:
-                report = {
-                    "machine": machine(),
-                    "7_fair_share": run_fair_share(Path(workdir), processes, args.fair_seconds),
-                }
+                report = {"machine": machine()}
+                if args.only_fair:
+                    report["7_fair_share"] = run_fair_share(
+                        Path(workdir), processes, args.fair_seconds
+                    )
+                if args.only_replicas:
+                    report["8_replicas"] = run_replicas(
+                        Path(workdir), processes, args.replica_streams, args.rounds
+                    )
             finally:
                 for process in processes:
                     process.stop()

@@ -1,15 +1,20 @@
 """The chaos run: random upstream failures and client behaviours, then prove nothing leaked.
 
-`python -m bench.chaos` runs 2,000 requests (under two minutes) with `slots = 3` against a stub
-whose scenario each request picks at random (fail mid-stream, a non-JSON line, 500 before the
-stream, stall past the idle timeout, reset, truncate, abort, a body left open after [DONE], a
-500 whose body never ends, a line that never ends, a request read and then dropped, or a clean
-answer), while clients randomly hang up while queued, before the first token or mid-stream,
-or send malformed requests. At the end: no slot in use, nobody waiting, nothing in flight or
-held open at the stub, every finished answer grammatical or an error in Anthropic shape with
-no frame after `message_stop`, no endless body read past the gateway's limits, no request
-sent to the upstream twice, no unhandled error in the gateway's log, and /healthz still
-answering. tests/test_chaos.py runs a smaller one.
+`python -m bench.chaos` runs 2,000 requests (under two minutes) for one model over two stub
+replicas with `slots = 2` each, sharing one line, where each request picks a stub scenario at
+random (fail mid-stream, a non-JSON line, 500 before the stream, stall past the idle timeout,
+reset, truncate, abort, a body left open after [DONE], a 500 whose body never ends, a line that
+never ends, a request read and then dropped, or a clean answer), while clients randomly hang up
+while queued, before the first token or mid-stream, or send malformed requests. Meanwhile
+replica `b` dies (its process is killed: port closed, connections gone) and comes back on its
+port, again and again. At the end: no slot in use, nobody waiting, nothing in flight or held
+open at either stub, every finished answer grammatical or an error in Anthropic shape with no
+frame after `message_stop` (a good scenario may fail only if it overlapped an outage of `b` and
+its error names `b`), no endless body read past the gateway's limits, no request run twice
+(each prompt is unique, and the stubs log a digest of each prompt they start, across restarts:
+only a 503 may be sent again, to another replica, as many times as the gateway counted status
+retries), no unhandled error in the gateway's log, and /healthz still answering.
+tests/test_chaos.py runs a smaller one.
 
 Meanwhile the config is reloaded (SIGHUP) every `RELOAD_EVERY` seconds, cycling through fewer
 slots, an invalid file and the original: every answer must stay as valid as without reloads.
@@ -26,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -76,28 +82,40 @@ MALFORMED = [
 RELOAD_EVERY = 0.5
 
 
-def config(stub_url: str, slots: int = 3) -> str:
-    return f"""
-[server]
-ping_interval = 0.5
+REFUSED_TWICE = "a 503'd request went back to the replica that refused it"
+KILLED = "b"
+"""The replica whose stub dies and comes back during the run; `a` stays up throughout."""
 
-[upstreams.vllm]
-url = "{stub_url}"
+
+def config(stubs: dict[str, str], slots: int = 2) -> str:
+    """One model over the upstreams `stubs` (name -> URL). A 0.5 s cooldown: a revived
+    replica gets its trial request within the run."""
+    upstreams = "".join(
+        f"""
+[upstreams.{name}]
+url = "{url}"
 slots = {slots}
 idle_timeout = 1
 queue_limit = 10000
-
+cooldown = 0.5
+"""
+        for name, url in stubs.items()
+    )
+    return f"""
+[server]
+ping_interval = 0.5
+{upstreams}
 [models.reasoning]
-upstream = "vllm"
+upstreams = {json.dumps(list(stubs))}
 """
 
 
-def reload_configs(stub_url: str) -> list[tuple[str, bool]]:
+def reload_configs(stubs: dict[str, str]) -> list[tuple[str, bool]]:
     """The files a reload cycles through, each with whether it is valid."""
     return [
-        (config(stub_url, slots=2), True),
-        (config(stub_url).replace("slots = 3", "slots = 0"), False),
-        (config(stub_url), True),
+        (config(stubs, slots=1), True),
+        (config(stubs).replace("slots = 2", "slots = 0"), False),
+        (config(stubs), True),
     ]
 
 
@@ -121,8 +139,15 @@ def cut_policy(behaviour: str, rng: random.Random) -> Any:
     return cut if behaviour.startswith("cut") else None
 
 
-def verdict(scenario: str, behaviour: str, result: Result) -> str | None:
-    """None if the answer is what the scenario allows, else what is wrong."""
+def failure_text(result: Result) -> str:
+    """Where an answer says what went wrong: its body, or its stream's last frame."""
+    last = json.dumps(result.frames[-1].data) if result.frames else ""
+    return result.body.decode(errors="replace") + last
+
+
+def verdict(scenario: str, behaviour: str, result: Result, may_fail: bool = False) -> str | None:
+    """None if the answer is what the scenario allows, else what is wrong. `may_fail`: a good
+    scenario may end in an error (it overlapped an outage of the replica its error names)."""
     if result.cut:
         return None
     if result.error is not None:
@@ -136,7 +161,7 @@ def verdict(scenario: str, behaviour: str, result: Result) -> str | None:
             return f"status {result.status} with a body that is not JSON"
         if document.get("type") != "error" or not document.get("error", {}).get("type"):
             return f"status {result.status} not in Anthropic shape: {document}"
-        if result.status >= 500 and scenario in GOOD and behaviour != "malformed":
+        if result.status >= 500 and scenario in GOOD and behaviour != "malformed" and not may_fail:
             return f"status {result.status} for a good scenario"
         return None
     if not result.headers.get("content-type", "").startswith("text/event-stream"):
@@ -151,24 +176,65 @@ def verdict(scenario: str, behaviour: str, result: Result) -> str | None:
         ending = check_stream(frames)
     except AssertionError as e:
         return f"bad stream: {e}"
-    if scenario in GOOD and ending != "complete":
+    if scenario in GOOD and ending != "complete" and not (may_fail and ending == "error"):
         return f"{scenario} ended in {ending}: {frames[-1]}"
     if scenario in BAD and ending != "error":
         return f"{scenario} ended in {ending}"
     return None
 
 
+class Outages:
+    """The stub of replica `KILLED`, killed and started again on its port: each life logs to
+    its own file, so the starts of every life can be read after the run."""
+
+    def __init__(self, workdir: Path, options: tuple[str, ...]) -> None:
+        self.workdir = workdir
+        self.options = options
+        self.logs: list[Path] = []
+        self.windows: list[tuple[float, float]] = []  # (killed, listening again), monotonic
+        self.process, self.url = self._start("tcp:0:interface=127.0.0.1")
+        self.port = int(self.url.split(":")[2].split("/")[0])
+
+    def _start(self, endpoint: str) -> tuple[Process, str]:
+        log = self.workdir / f"stub-{KILLED}-{len(self.logs)}.log"
+        self.logs.append(log)
+        return start_stub(self.workdir, *self.options, "--log", str(log), "--port", endpoint)
+
+    def kill(self) -> None:
+        """SIGKILL: the port closes and the kernel drops every connection, as when the box's
+        server crashes."""
+        self.windows.append((time.monotonic(), float("inf")))
+        self.process.popen.kill()
+        self.process.popen.wait()
+
+    def revive(self) -> None:
+        self.process, _ = self._start(f"tcp:{self.port}:interface=127.0.0.1")
+        self.windows[-1] = (self.windows[-1][0], time.monotonic())
+
+    def overlaps(self, started: float, ended: float) -> bool:
+        return any(down <= ended and started <= up for down, up in self.windows)
+
+
 async def chaos(
-    url: str, n: int, concurrency: int, seed: int, reload: Any = None
+    url: str,
+    n: int,
+    concurrency: int,
+    seed: int,
+    reload: Any = None,
+    outages: Outages | None = None,
 ) -> dict[str, Any]:
-    """`reload(i)`, if given, is called every RELOAD_EVERY seconds while the requests run."""
+    """`reload(i)`, if given, is called every RELOAD_EVERY seconds while the requests run;
+    `outages`, if given, kills its stub after every n/10 answers and revives it n/20 later."""
     rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency)
     problems: list[str] = []
     counts: Counter[str] = Counter()
     sent: Counter[str] = Counter()
+    finished = 0
+    excused = 0
 
     async def one(i: int) -> None:
+        nonlocal finished, excused
         scenario = pick(rng, {**GOOD, **BAD})
         behaviour = pick(rng, BEHAVIOURS)
         body: Any = {
@@ -184,13 +250,22 @@ async def chaos(
         if behaviour != "malformed":
             sent[scenario] += 1
         async with semaphore:
+            started = time.monotonic()
             result = await request(
                 url + "/llm/v1/messages", body, cut=cut_policy(behaviour, rng), timeout=60
             )
+        finished += 1
         counts[f"{behaviour}:{'cut' if result.cut else result.status}"] += 1
-        problem = verdict(scenario, behaviour, result)
+        may_fail = (
+            outages is not None
+            and outages.overlaps(started, time.monotonic())
+            and f"upstream {KILLED} " in failure_text(result)
+        )
+        problem = verdict(scenario, behaviour, result, may_fail)
         if problem is not None:
             problems.append(f"#{i} {scenario}/{behaviour}: {problem}")
+        elif may_fail and scenario in GOOD and verdict(scenario, behaviour, result) is not None:
+            excused += 1
 
     async def reloading(done: asyncio.Event) -> None:
         i = 0
@@ -201,52 +276,121 @@ async def chaos(
                 reload(i)
                 i += 1
 
+    async def answers(count: int, done: asyncio.Event) -> bool:
+        """Wait for `count` more answers; False if the run ended first."""
+        target = finished + count
+        while finished < target and not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.02)
+        return not done.is_set()
+
+    async def killing(done: asyncio.Event) -> None:
+        assert outages is not None
+        every = max(2, n // 10)
+        while await answers(every, done):
+            await asyncio.to_thread(outages.kill)
+            await answers(every // 2, done)
+            await asyncio.to_thread(outages.revive)
+
     started = time.monotonic()
     done = asyncio.Event()
-    reloader = asyncio.create_task(reloading(done)) if reload is not None else None
+    helpers = [
+        *([asyncio.create_task(reloading(done))] if reload is not None else []),
+        *([asyncio.create_task(killing(done))] if outages is not None else []),
+    ]
     await asyncio.gather(*(one(i) for i in range(n)))
     done.set()
-    if reloader is not None:
-        await reloader
+    await asyncio.gather(*helpers)
     return {
         "requests": n,
         "seconds": round(time.monotonic() - started, 1),
         "problems": problems,
         "outcomes": dict(sorted(counts.items())),
         "hangups_sent": sent["hangup"],
+        "outages": len(outages.windows) if outages is not None else 0,
+        "good_failed_in_outage": excused,
     }
 
 
-def settle(gateway_url: str, stub_url: str, timeout: float = 15.0) -> dict[str, Any]:
+def settle(gateway_url: str, stub_urls: list[str], timeout: float = 15.0) -> dict[str, Any]:
     """Wait (bounded) for the cancellations to land, then report what is left anywhere."""
     deadline = time.monotonic() + timeout
     while True:
-        gateway = get_json(gateway_url + "/llm/v1/status")["upstreams"]["vllm"]
-        stub = get_json(stub_url.removesuffix("/v1") + "/stub/status")
-        if (
-            gateway["in_use"] == gateway["waiting"] == stub["in_flight"] == stub["held_open"] == 0
-        ) or time.monotonic() > deadline:
-            health = urllib.request.urlopen(gateway_url + "/healthz", timeout=5).status
-            return {
-                "slots_in_use": gateway["in_use"],
-                "waiting": gateway["waiting"],
-                "stub_in_flight": stub["in_flight"],
-                "stub_requests": stub["requests"],
-                "stub_cancelled": stub["cancelled"],
-                "stub_held_open": stub["held_open"],
-                "stub_hangups": stub["hangups"],
-                "stub_endless_bytes": stub["endless_bytes"],
-                "healthz": health,
-            }
+        upstreams = get_json(gateway_url + "/llm/v1/status")["upstreams"].values()
+        stubs = [get_json(url.removesuffix("/v1") + "/stub/status") for url in stub_urls]
+        after = {
+            "slots_in_use": sum(u["in_use"] for u in upstreams),
+            "waiting": max(u["waiting"] for u in upstreams),
+            "stub_in_flight": sum(s["in_flight"] for s in stubs),
+            "stub_held_open": sum(s["held_open"] for s in stubs),
+            "stub_endless_bytes": max(s["endless_bytes"] for s in stubs),
+        }
+        left = any(value for key, value in after.items() if key != "stub_endless_bytes")
+        if not left or time.monotonic() > deadline:
+            break
         time.sleep(0.05)
+    after["healthz"] = urllib.request.urlopen(gateway_url + "/healthz", timeout=5).status
+    return after
+
+
+def starts(logs: dict[str, list[Path]]) -> list[dict[str, str]]:
+    """Every request the stubs started (and the hangups among them), from each stub's logs
+    over all its lives: the fields of each `start` or `hangup` line and the stub's name."""
+    lines = []
+    for stub, paths in logs.items():
+        for path in paths:
+            for line in path.read_text().splitlines():
+                _, event, *fields = line.split()
+                if event in ("start", "hangup"):
+                    values = dict(field.split("=", 1) for field in fields if "=" in field)
+                    lines.append({"stub": stub, "event": event, **values})
+    return lines
+
+
+def retries(gateway_url: str) -> Counter[str]:
+    """The gateway's retries so far, by reason (a refused connection, a 5xx status...)."""
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    counts: Counter[str] = Counter()
+    for match in re.finditer(r"^homelab_gateway_retries_total\{(.*)\} (\S+)$", text, re.M):
+        reason = re.search(r'reason="([^"]*)"', match.group(1))
+        counts[reason.group(1) if reason else ""] += int(float(match.group(2)))
+    return counts
+
+
+def reruns(started: list[dict[str, str]], retried: Counter[str]) -> list[str]:
+    """What ran twice. Each prompt is unique, so each should start once; only a request an
+    upstream refused with a 503 (scenario overloaded) may start again, on another replica, and
+    no more often in all than the gateway counted retries after a status. A killed stub
+    refuses connections, which the gateway retries: those never reach a stub."""
+    runs: dict[str, list[dict[str, str]]] = {}
+    for line in started:
+        if line["event"] == "start":
+            runs.setdefault(line["prompt"], []).append(line)
+    problems = []
+    again = 0
+    for prompt, lines in runs.items():
+        again += len(lines) - 1
+        stubs = [line["stub"] for line in lines]
+        scenario = lines[0]["scenario"]
+        if len(lines) > 1 and scenario != "overloaded":
+            problems.append(f"a {scenario} request (prompt {prompt}) started on {stubs}")
+        elif len(set(stubs)) < len(stubs):
+            problems.append(f"{REFUSED_TWICE} (prompt {prompt}, started on {stubs})")
+    if again > retried["status"]:
+        problems.append(f"{again} requests started again for {retried['status']} status retries")
+    unexpected = set(retried) - {"connect", "status"}
+    if unexpected:
+        problems.append(f"retries after a failure that may have run the request: {retried}")
+    return problems
 
 
 def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
-    stub, stub_url = start_stub(
-        workdir, "--hold", "0.05", "--delay", "0.005", "--content-tokens", "12"
-    )
+    options = ("--hold", "0.05", "--delay", "0.005", "--content-tokens", "12")
+    steady_log = workdir / "stub-a.log"
+    steady, steady_url = start_stub(workdir, *options, "--log", str(steady_log))
+    outages: Outages | None = None
     gateway: Process | None = None
-    files = reload_configs(stub_url)
     sent = {True: 0, False: 0}
 
     def reload(i: int) -> None:
@@ -257,13 +401,28 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
         sent[valid] += 1
 
     try:
-        gateway, url = start_gateway(workdir, config(stub_url))
-        report = asyncio.run(chaos(url, n, concurrency, seed, reload))
-        report["after"] = settle(url, stub_url)
+        outages = Outages(workdir, options)
+        stubs = {"a": steady_url, KILLED: outages.url}
+        files = reload_configs(stubs)
+        gateway, url = start_gateway(workdir, config(stubs))
+        report = asyncio.run(chaos(url, n, concurrency, seed, reload, outages))
+        report["after"] = settle(url, list(stubs.values()))
+        retried = retries(url)
     finally:
         exit_status = gateway.stop() if gateway is not None else None
-        stub.stop()
+        steady.stop()
+        if outages is not None:
+            outages.process.stop()
     log = gateway.all_output() if gateway is not None else ""
+    assert outages is not None
+    started = starts({"a": [steady_log], KILLED: outages.logs})
+    after = report["after"]
+    after["stub_requests"] = sum(line["event"] == "start" for line in started)
+    after["stub_hangups"] = sum(line["event"] == "hangup" for line in started)
+    revived = starts({KILLED: outages.logs[1:]})
+    after["served_after_revival"] = sum(line["event"] == "start" for line in revived)
+    report["retries"] = dict(retried)
+    report["problems"] += reruns(started, retried)
     report["unhandled_errors"] = log.count("Unhandled") + log.count("Traceback")
     report["reloads"] = {
         "valid": sent[True],
@@ -273,7 +432,7 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
     }
     report["exit_status"] = exit_status
     report["drain"] = drain_under_load(workdir / "drain")
-    after, reloads = report["after"], report["reloads"]
+    reloads = report["reloads"]
     if after["stub_hangups"] > report["hangups_sent"]:
         report["problems"].append(
             f"the upstream was sent {after['stub_hangups']} hangup requests for "
@@ -297,6 +456,8 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> dict[str, Any]:
         and (reloads["applied"], reloads["refused"]) == (reloads["valid"], reloads["invalid"])
         and exit_status == 0
         and report["drain"]["ok"]
+        and report["outages"] > 0
+        and after["served_after_revival"] > 0
     )
     return report
 
@@ -311,7 +472,7 @@ def drain_under_load(workdir: Path, clients: int = 16, slots: int = 3) -> dict[s
     # idle_timeout would cut such a prefill, so this stack has a longer one.
     stub, stub_url = start_stub(workdir, "--hold", "3", "--delay", "0.01")
     text = (
-        config(stub_url, slots=slots)
+        config({"a": stub_url}, slots=slots)
         .replace("[server]", "[server]\nshutdown_grace = 20")
         .replace("idle_timeout = 1\n", "idle_timeout = 30\n")
     )
@@ -330,7 +491,7 @@ def drain_under_load(workdir: Path, clients: int = 16, slots: int = 3) -> dict[s
         ]
 
         def all_arrived() -> bool:
-            status = get_json(url + "/llm/v1/status")["upstreams"]["vllm"]
+            status = get_json(url + "/llm/v1/status")["upstreams"]["a"]
             return status["in_use"] + status["waiting"] == clients
 
         await asyncio.to_thread(wait_until, all_arrived)

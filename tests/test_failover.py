@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.logger import formatEvent, globalLogPublisher
@@ -259,6 +260,29 @@ class Replicas(TestCase):
         self.assertIn('homelab_gateway_failovers_total{reason="status",upstream="a"} 2.0', text)
         self.assertIn('homelab_gateway_upstream_up{upstream="a"} 0.0', text)
         self.assertIn('homelab_gateway_upstream_up{upstream="b"} 1.0', text)
+        await self.settled()
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="a connect retry may land on a replica that already answered 503 (issue 13)",
+    )
+    @async_test
+    async def test_a_refused_request_never_goes_back_to_the_replica_that_refused_it(
+        self,
+    ) -> None:
+        """A 503 from a, then b refuses connections: the connect retry avoids both, finds no
+        fresh replica in rotation and may take a again, which refuses the same request twice.
+        "Retried ... only on a replica not tried yet" (llm.py `_attempts`)."""
+        url, refusing = self.refusing(503)
+        dead = Stub(self.servers)
+        await dead.kill()
+        short = {"queue_timeout": 2}
+        doc = document({"a": url, "b": dead.url}, upstream_settings={"a": short, "b": short})
+        self.start(doc)
+        response = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
+        await response.closed
+        self.assertNotEqual(response.status, 200, response.body_text())
+        self.assertEqual(refusing.requests, 1, "the refused request went back to a")
         await self.settled()
 
     @async_test

@@ -8,12 +8,14 @@ chunk, a non-standard `stop_reason`, usage on every chunk with `continuous_usage
 after `hold` seconds, like a prefill.
 
 A word in the last user message picks a scenario (see SCENARIOS). The log gets a line when a
-request starts, when it completes (when `[DONE]` is written, as vLLM's engine is done by then),
-on a `hangup` and, the moment the client leaves early, `cancelled`.
+request starts (with a digest of its prompt, so a test can tell whether one request ran twice,
+even across restarts of the stub), when it completes (when `[DONE]` is written, as vLLM's
+engine is done by then), on a `hangup` and, the moment the client leaves early, `cancelled`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import sys
@@ -141,6 +143,12 @@ def _cached_tokens(tokens: list[str], previous: list[str]) -> int:
         shared += 1
     shared = min(shared, len(tokens) - 1)
     return shared - shared % PREFIX_CACHE_BLOCK
+
+
+def _digest(messages: Any) -> str:
+    """A short digest of the prompt: vLLM logs each request's prompt, the stub only this."""
+    text = json.dumps(messages, sort_keys=True).encode()
+    return hashlib.sha256(text).hexdigest()[:16]
 
 
 def _scenario(messages: Any) -> str:
@@ -602,6 +610,7 @@ class StubResource(Resource):
             scenario=generation.scenario,
             user=body.get("user"),
             priority=body.get("priority"),
+            prompt=_digest(body.get("messages")),
         )
         refusal = {
             "error500": (500, "stub: internal error before the stream"),
