@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.logger import formatEvent, globalLogPublisher
@@ -262,17 +261,12 @@ class Replicas(TestCase):
         self.assertIn('homelab_gateway_upstream_up{upstream="b"} 1.0', text)
         await self.settled()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="a connect retry may land on a replica that already answered 503 (issue 13)",
-    )
     @async_test
     async def test_a_refused_request_never_goes_back_to_the_replica_that_refused_it(
         self,
     ) -> None:
-        """A 503 from a, then b refuses connections: the connect retry avoids both, finds no
-        fresh replica in rotation and may take a again, which refuses the same request twice.
-        "Retried ... only on a replica not tried yet" (llm.py `_attempts`)."""
+        """A 503 from a, then b refuses connections: the connect retry waits for b (nothing was
+        sent to it) and never takes a again, which would refuse the same request twice."""
         url, refusing = self.refusing(503)
         dead = Stub(self.servers)
         await dead.kill()

@@ -327,13 +327,14 @@ class Messages:
         the upstream answered with a 502/503/504 are retried at most `retries` times, and only
         on a replica not tried yet and in rotation.
         """
-        avoid: frozenset[Replica] = frozenset()
+        avoid: frozenset[Replica] = frozenset()  # every replica tried: tried last, if at all
+        pools = target.pools  # less those that refused it (502/503/504): never again
         deadline: float | None = None
         started = self.clock.seconds()
         answered = 0  # retried attempts that an upstream answered
         while True:
             slot, pool = await hold_slot(
-                target.pools,
+                pools,
                 self.clock,
                 record,
                 on_position,
@@ -354,8 +355,8 @@ class Messages:
                 if not e.retry:
                     raise
                 if fault != "connect":
-                    tried = avoid | {slot.replica}
-                    untried = [p for p in target.pools if p.replica not in tried]
+                    pools = tuple(p for p in pools if p.replica is not slot.replica)
+                    untried = [p for p in pools if p.replica not in avoid]
                     if answered >= self.retries or not any(
                         p.replica.circuit.state != DOWN for p in untried
                     ):
@@ -368,7 +369,7 @@ class Messages:
                 # failure it caused: the client is gone, there is nobody to retry for.
                 raise CancelledError()
             avoid = avoid | {slot.replica}
-            self.on_retry(pool.upstream.name, fault, len(avoid) < len(target.pools))
+            self.on_retry(pool.upstream.name, fault, any(p.replica not in avoid for p in pools))
             if deadline is None:
                 deadline = started + max(p.queue_timeout for p in target.pools)
 
