@@ -265,18 +265,19 @@ class Replicas(TestCase):
     async def test_a_refused_request_never_goes_back_to_the_replica_that_refused_it(
         self,
     ) -> None:
-        """A 503 from a, then b refuses connections: the connect retry waits for b (nothing was
-        sent to it) and never takes a again, which would refuse the same request twice."""
+        """A 503 from a, then b refuses connections: the retries never take a again, which
+        would refuse the same request twice; once b is out of rotation, a's refusal is the
+        answer, at once."""
         url, refusing = self.refusing(503)
         dead = Stub(self.servers)
         await dead.kill()
-        short = {"queue_timeout": 2}
-        doc = document({"a": url, "b": dead.url}, upstream_settings={"a": short, "b": short})
-        self.start(doc)
+        self.start(document({"a": url, "b": dead.url}))
         response = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
         await response.closed
-        self.assertNotEqual(response.status, 200, response.body_text())
+        self.assertEqual(response.status, 529, response.body_text())
+        self.assertIn("refusing with 503", response.body_text())
         self.assertEqual(refusing.requests, 1, "the refused request went back to a")
+        self.assertEqual(self.replica("b").circuit.state, "down")
         await self.settled()
 
     @async_test

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from twisted.internet.defer import CancelledError
@@ -154,6 +154,10 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"the number {text[:40]} is out of range")
     return value
+
+
+def _in_rotation(pools: Iterable[Pool]) -> bool:
+    return any(p.replica.circuit.state != DOWN for p in pools)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +333,7 @@ class Messages:
         """
         avoid: frozenset[Replica] = frozenset()  # every replica tried: tried last, if at all
         pools = target.pools  # less those that refused it (502/503/504): never again
+        refusal: GatewayError | None = None  # the last such refusal
         deadline: float | None = None
         started = self.clock.seconds()
         answered = 0  # retried attempts that an upstream answered
@@ -354,12 +359,15 @@ class Messages:
                 fault = e.fault or ""
                 if not e.retry:
                     raise
+                if fault == "connect" and refusal is not None and not _in_rotation(pools):
+                    # A replica refused it and the others are down: its refusal is the
+                    # answer, rather than a wait for boxes that may not come back soon.
+                    raise refusal from None
                 if fault != "connect":
+                    refusal = e
                     pools = tuple(p for p in pools if p.replica is not slot.replica)
                     untried = [p for p in pools if p.replica not in avoid]
-                    if answered >= self.retries or not any(
-                        p.replica.circuit.state != DOWN for p in untried
-                    ):
+                    if answered >= self.retries or not _in_rotation(untried):
                         raise  # an answered refusal is only worth sending to another box
                     answered += 1
             finally:
