@@ -121,7 +121,13 @@ function upstreamCard(name, entry) {
 
 function modelCard(name, entry) {
   const card = el("article", { class: "card model", "data-model": name }, el("h3", {}, name));
-  if (entry && typeof entry === "object") card.append(lineBlock(entry));
+  if (entry && typeof entry === "object") {
+    // Models served by the same upstreams share one line: say which, so equal counts read
+    // as one line, not as two.
+    if (entry.upstreams) card.append(el("div", { class: "models" }, "on " + entry.upstreams.join(", ")));
+    if (entry.line) card.append(el("div", { class: "models" }, "line " + entry.line));
+    card.append(lineBlock(entry));
+  }
   return card;
 }
 
