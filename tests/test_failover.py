@@ -368,3 +368,30 @@ class Replicas(TestCase):
         response.disconnect()
         await self.settled()
         self.assertEqual(len(attempts), 1)
+
+    @async_test
+    async def test_a_reload_that_removes_a_replica_keeps_the_waiters_and_its_running_streams(
+        self,
+    ) -> None:
+        a = Stub(self.servers, hold=0.5)
+        b = Stub(self.servers, hold=0.5)
+        settings = {"a": {"slots": 1}, "b": {"slots": 1}}
+        self.start(document({"a": a.url, "b": b.url}, upstream_settings=settings))
+        running = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(2)]
+        await wait_for(
+            lambda: self.replica("a").held == 1 and self.replica("b").held == 1,
+            what="a slot on each",
+        )
+        waiting = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(3)]
+        await wait_for(lambda: len(self.line.waiting) == 3, what="three to wait")
+        old_b = self.replica("b")
+        self.gateway.reload(
+            parse_config(document({"a": a.url}, upstream_settings={"a": {"slots": 1}}), environ={})
+        )
+        self.assertEqual(len(self.line.waiting), 3, "the waiters moved to a's new line")
+        await self.finish([*running, *waiting])
+        for response in [*running, *waiting]:
+            self.assertEqual(check_stream([d for _, d in response.frames()]), "complete")
+        self.assertEqual((a.stats.requests, b.stats.requests), (4, 1))
+        self.assertEqual(old_b.held, 0)
+        await self.settled()

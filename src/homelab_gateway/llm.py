@@ -354,6 +354,11 @@ class Messages:
                 await relay(pool, slot)
                 return
             except GatewayError as e:
+                if record.outcome in CANCELLED:
+                    # The cancel arrived while connecting, and Twisted reported it as the
+                    # connect failure it caused (a DNS lookup that failed): no fault of the
+                    # replica's, and nobody left to retry for.
+                    raise CancelledError() from None
                 if e.fault is not None:
                     slot.failed(e.message)
                 fault = e.fault or ""
@@ -372,10 +377,6 @@ class Messages:
                     answered += 1
             finally:
                 slot.release()
-            if record.outcome in CANCELLED:
-                # The cancel arrived while connecting, and Twisted reported it as the connect
-                # failure it caused: the client is gone, there is nobody to retry for.
-                raise CancelledError()
             avoid = avoid | {slot.replica}
             self.on_retry(pool.upstream.name, fault, any(p.replica not in avoid for p in pools))
             if deadline is None:
