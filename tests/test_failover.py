@@ -368,6 +368,7 @@ class Replicas(TestCase):
         response.disconnect()
         await self.settled()
         self.assertEqual(len(attempts), 1)
+        self.assertEqual([self.replica(n).circuit.failures for n in "ab"], [0, 0], "no fault")
 
     @async_test
     async def test_a_reload_that_removes_a_replica_keeps_the_waiters_and_its_running_streams(
