@@ -149,6 +149,12 @@ class Line(Generic[T]):
         """Remove a waiter that gave up (cancelled, timed out). O(its client's queue). True if
         that may have moved another waiter back: its client's later waiters and the virtual
         time it would have advanced no longer count, so others can pass one another."""
+        waiter, state = self._unqueue(item)
+        self._forget(state, waiter)
+        return self._busy > 1
+
+    def _unqueue(self, item: T) -> tuple[Waiter[T], _Client]:
+        """Take a waiter out of its FIFO, wherever it stands. O(its client's queue)."""
         waiter = self._waiters.pop(item)
         state = self._clients[waiter.client]
         queue = state.queues[waiter.rank]
@@ -156,8 +162,7 @@ class Line(Generic[T]):
             queue.popleft()
         else:
             queue.remove(waiter)
-        self._forget(state, waiter)
-        return self._busy > 1
+        return waiter, state
 
     def _forget(self, state: _Client, waiter: Waiter[T]) -> None:
         state.waiting -= 1
@@ -206,13 +211,7 @@ class Line(Generic[T]):
         (their replicas are others). Charged like `pop`; the virtual time stays, since those
         ahead were not served. Also True if that may have moved another waiter back (its
         client's later waiters, now that the client was charged)."""
-        waiter = self._waiters.pop(item)
-        state = self._clients[waiter.client]
-        queue = state.queues[waiter.rank]
-        if queue[0] is waiter:
-            queue.popleft()
-        else:
-            queue.remove(waiter)
+        waiter, state = self._unqueue(item)
         start = max(self._virtual, state.finish)
         state.finish = start + state.estimate / state.weight
         grant = Grant(

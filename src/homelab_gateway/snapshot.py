@@ -67,8 +67,8 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def in_flight_row(record: RequestRecord, now: float) -> dict[str, Any]:
-    first = _first_token_at(record)
+def _about(record: RequestRecord) -> dict[str, Any]:
+    """What a row says of any request, in flight or finished."""
     return {
         "request_id": record.request_id,
         "surface": record.surface,
@@ -77,6 +77,13 @@ def in_flight_row(record: RequestRecord, now: float) -> dict[str, Any]:
         "client": record.client,
         "class": record.served_as or record.priority,
         "stream": record.stream,
+    }
+
+
+def in_flight_row(record: RequestRecord, now: float) -> dict[str, Any]:
+    first = _first_token_at(record)
+    return {
+        **_about(record),
         "elapsed_s": _round(now - record.started),
         "queue_wait_s": _round(record.queue_wait),
         "ttft_s": _round(record.first_token),
@@ -88,14 +95,8 @@ def in_flight_row(record: RequestRecord, now: float) -> dict[str, Any]:
 def finished_row(record: RequestRecord, ended: float) -> dict[str, Any]:
     first = _first_token_at(record)
     return {
-        "request_id": record.request_id,
+        **_about(record),
         "ended": round(ended, 3),
-        "surface": record.surface,
-        "model": _model(record),
-        "upstream": record.upstream,
-        "client": record.client,
-        "class": record.served_as or record.priority,
-        "stream": record.stream,
         "outcome": record.outcome or "completed",
         "status": record.status,
         "duration_s": _round(ended - record.started),
