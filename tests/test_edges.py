@@ -11,7 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.logger import formatEvent, globalLogPublisher
+from twisted.trial.unittest import TestCase
+from twisted.web.test.requesthelper import DummyChannel
 
+from homelab_gateway.channel import GatewayRequest
 from homelab_gateway.telemetry import loggable
 from tests.helpers import (
     RawResponse,
@@ -220,3 +223,19 @@ class Refusals(LLMSurface):
         self.assertEqual(response.status, 529)
         self.assertTrue(response.head.startswith("HTTP/1.1 529 Site Overloaded\r\n"))
         self.assertTrue(response.header("request-id").startswith("req_"))
+
+
+class Forms(TestCase):
+    def test_a_form_post_is_not_parsed_into_args(self) -> None:
+        """No route reads `request.args` from a body: Twisted's form parsing (the email
+        package on every POST's Content-Type, a multipart body in memory) is off."""
+        request = GatewayRequest(DummyChannel())
+        request.requestHeaders.setRawHeaders(
+            b"content-type", [b"application/x-www-form-urlencoded"]
+        )
+        request.gotLength(3)
+        request.content.write(b"a=b")
+        request.process = lambda: None  # type: ignore[method-assign]
+        request.requestReceived(b"POST", b"/x?q=1", b"HTTP/1.1")
+        self.assertEqual(request.args, {b"q": [b"1"]})
+        self.assertEqual(request.content.read(), b"a=b")

@@ -194,7 +194,7 @@ class Reload(FairLine):
 
 
 class Overtaking(FairLine):
-    # Held long enough that the renumbering pass (0.4 s) runs before a slot frees.
+    # Held long enough that the renumbering pass (1 s) runs before a slot frees.
     stub_settings = {**FairLine.stub_settings, "hold": 2.0}
 
     @async_test

@@ -8,7 +8,7 @@ from twisted.internet.defer import CancelledError, DeferredSemaphore
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.limiter import PositionedSemaphore, QueueFull
+from homelab_gateway.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull
 from homelab_gateway.line import CLASS_RANK
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
@@ -101,6 +101,38 @@ class Positions(TestCase):
         self.sem.acquire_in_line()  # no listener
         self.sem.release()
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class FallRate(TestCase):
+    def test_a_moving_line_tells_a_waiter_about_once_a_second_and_within_a_second(self) -> None:
+        """The default pass: in a line that moves every 1/8 s a waiter gets one frame per second
+        of waiting (a 0.4 s pass sent 2.5), never shows a place better than its true one, and
+        shows a place no worse than where it truly was REPORT_INTERVAL earlier."""
+        step, ahead = 0.125, 32
+        clock = Clock()
+        sem = PositionedSemaphore(1, clock)
+        self.addCleanup(sem.close)
+        sem.acquire()
+        for _ in range(ahead):
+            sem.acquire_in_line(lambda position: None)
+        seen: list[int] = []
+        d = sem.acquire_in_line(seen.append)
+
+        def truth(at: float) -> int:  # one waiter ahead is granted every step
+            return ahead + 1 - int(at / step)
+
+        while not d.called:
+            clock.advance(step)
+            sem.release()
+            now = clock.seconds()
+            if not d.called:
+                self.assertGreaterEqual(seen[-1], truth(now))
+                self.assertLessEqual(seen[-1], truth(max(0.0, now - REPORT_INTERVAL)))
+        waited = clock.seconds()
+        self.assertEqual(waited, (ahead + 1) * step)
+        self.assertEqual(seen[-1], 1)
+        # The first frame, one per second of waiting, and position 1 with the slot.
+        self.assertLessEqual(len(seen), 1 + int(waited / REPORT_INTERVAL) + 1)
 
 
 class Rises(TestCase):

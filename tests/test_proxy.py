@@ -193,7 +193,7 @@ class ProxyIntegration(TestCase):
         response = raw_request(
             self.port, "POST", "/openai/chat/completions", self.stream_body("long")
         )
-        await response.until_text('"content": "')
+        await response.until_text('"content":"')
         response.disconnect()
         left = time.monotonic()
         await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")

@@ -6,13 +6,16 @@ Chunks are shaped like real vLLM/Ollama/llama.cpp output (see shared/anthropic-w
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from homelab_gateway.sse import encode_event
 from homelab_gateway.translator import (
+    PLAIN_EVENT,
     IncompleteMessage,
     MessageBuilder,
     Phase,
@@ -562,6 +565,161 @@ def test_raw_upstream_bytes_split_anywhere_give_a_grammatical_stream(
     if not events:
         return  # nothing at all: the gateway answers an HTTP error before any frame
     assert check_stream(events) in ("complete", "error")
+
+
+# The plain-event path (`PLAIN_EVENT`): for any event it accepts, the same events (and so the
+# same bytes) as the generic path. Fed one byte at a time, the decoder never sees a whole event
+# while its parser is idle, so that is the generic path; fed whole, plain events go around it.
+def vllm_event(
+    field: bytes, text: bytes, usage: tuple[bytes, bytes, bytes] | None = None, **parts: bytes
+) -> bytes:
+    """An event as vLLM writes it, with the pieces given as raw bytes (valid or not)."""
+    out = (
+        b'data: {"id":"' + parts.get("id", b"chatcmpl-1") + b'","object":"chat.completion.chunk",'
+        b'"created":'
+        + parts.get("created", b"1764547200")
+        + b',"model":"'
+        + parts.get("model", b"Qwen/Qwen3-32B")
+        + b'","choices":[{"index":0,"delta":{"'
+        + field
+        + b'":"'
+        + text
+        + b'"},"logprobs":null,"finish_reason":null}]'
+    )
+    if usage is not None:
+        out += (
+            b',"usage":{"prompt_tokens":'
+            + usage[0]
+            + b',"total_tokens":'
+            + usage[1]
+            + b',"completion_tokens":'
+            + usage[2]
+            + b"}"
+        )
+    return out + b"}\n\n"
+
+
+def by_byte_and_whole(
+    stream: bytes, show_reasoning: bool = True, cuts: list[int] | None = None
+) -> tuple[bytes, ...]:
+    """What a client gets for `stream` fed one byte at a time, whole, and cut at `cuts`."""
+    answers = []
+    cut = sorted(cuts or [])
+    for pieces in (
+        [stream[i : i + 1] for i in range(len(stream))],
+        [stream],
+        [stream[a:b] for a, b in zip([0, *cut], [*cut, len(stream)], strict=True)],
+    ):
+        decoder = UpstreamDecoder(
+            StreamTranslator(
+                model="m", input_tokens=3, message_id="msg_1", show_reasoning=show_reasoning
+            )
+        )
+        events = [e for piece in pieces for e in decoder.feed(piece)] + decoder.eof("stub")
+        t = decoder.translator
+        events.append({"type": "state", "in": t.input_tokens, "out": t.final_output_tokens})
+        # Tool ids are random: the same placeholder in both runs.
+        frames = b"".join(map(encode_event, events))
+        answers.append(re.sub(rb"toolu_[0-9a-f]{24}", b"toolu_x", frames))
+    return tuple(answers)
+
+
+# Mostly what vLLM writes, sometimes anything: a candidate must pass every other part of the
+# pattern for one odd part to be tried.
+raw_strings = st.one_of(
+    st.just(b"chatcmpl-1"),
+    st.text(max_size=8).map(lambda s: s.encode("utf-8", "surrogatepass")),
+    st.binary(max_size=6),
+)
+raw_texts = st.lists(
+    st.sampled_from(
+        [
+            b"a",
+            b" ",
+            b"\\n",
+            b'\\"',
+            b"\\\\",
+            b"\\/",
+            b"\\b",
+            b"\\t",
+            b"\\u00e9",
+            b"\\ud83d",
+            b"\\x",
+            b"\xc3\xa9",
+            b"\xff",
+            b"\xe2\x82",
+            b"\x7f",
+            b"\x1f",
+            b"\r",
+            b'"',
+            b"\\",
+        ]
+    ),
+    max_size=6,
+).map(b"".join)
+raw_counts = st.integers(0, 10**6).map(lambda n: str(n).encode()) | st.from_regex(
+    rb"\A(?:[0-9]{1,20}|-1|1\.0)\Z"
+)
+raw_events = st.builds(
+    vllm_event,
+    st.sampled_from([b"content", b"reasoning", b"reasoning_content", b"role"]),
+    raw_texts,
+    st.none() | st.tuples(raw_counts, raw_counts, raw_counts),
+    id=raw_strings,
+    created=raw_counts,
+    model=raw_strings,
+)
+openings = st.sampled_from(
+    [
+        [chunk({"role": "assistant", "content": ""})],
+        [chunk({"reasoning": "hm"})],
+        [chunk({"content": "Hi"})],
+        [chunk({"role": "assistant", "content": ""}), chunk({"content": "a"}, "stop")],
+        [chunk({"tool_calls": [{"index": 0, "id": "t", "function": {"name": "f"}}]})],
+        [],
+    ]
+)
+
+
+@settings(max_examples=300)
+@given(openings, st.lists(raw_events, min_size=1, max_size=4), st.booleans(), st.data())
+def test_plain_events_give_the_same_bytes_as_the_generic_path(
+    opening: list[dict[str, Any]], events: list[bytes], show_reasoning: bool, data: st.DataObject
+) -> None:
+    finish = [chunk({"content": ""}, "stop"), USAGE]
+    stream = (
+        b"".join(frame(c) for c in opening)
+        + b"".join(events)
+        + b"".join(frame(c) for c in finish)
+        + b"data: [DONE]\n\n"
+    )
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=8))
+    generic, plain, cut = by_byte_and_whole(stream, show_reasoning, cuts)
+    assert plain == generic
+    assert cut == generic
+
+
+def test_vllm_token_events_take_the_plain_path() -> None:
+    """The property above only means something if real tokens go the plain way: vLLM's token
+    events do, with usage or without, escapes and all; a `\\u` escape does not."""
+    accepted = [
+        vllm_event(b"content", b"Hello"),
+        vllm_event(b"reasoning", b"\xc3\xbcber ", (b"52", b"53", b"1")),
+        vllm_event(b"reasoning_content", b'print(\\"hi\\")\\n', (b"0", b"0", b"0")),
+    ]
+    refused = [
+        vllm_event(b"content", b"\\u00e9"),
+        vllm_event(b"content", b""),
+        vllm_event(b"content", b"a", (b"052", b"53", b"1")),
+        vllm_event(b"role", b"assistant"),
+        vllm_event(b"content", b"a").replace(b"\n", b"\r\n"),
+    ]
+    assert all(PLAIN_EVENT.fullmatch(e) for e in accepted)
+    assert not any(PLAIN_EVENT.fullmatch(e) for e in refused)
+    opening = frame(chunk({"role": "assistant", "content": ""}))
+    stream = opening + b"".join(accepted + refused) + b"data: [DONE]\n\n"
+    generic, plain, _ = by_byte_and_whole(stream)
+    assert plain == generic
 
 
 def test_the_decoder_stops_at_done_and_ignores_what_follows() -> None:

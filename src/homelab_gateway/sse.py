@@ -50,6 +50,7 @@ class SSEParser:
     """
 
     def __init__(self, limit: int = MAX_EVENT_BYTES) -> None:
+        self.limit = limit
         self._limit = limit
         self._partial: list[bytes] = []  # the reads holding the line not yet ended
         self._partial_size = 0
@@ -59,6 +60,20 @@ class SSEParser:
         self._data_size = 0
         self._event = ""
         self._id: str | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Between events: no line or event begun, so the next bytes start a fresh line of a
+        fresh event (and the byte-order mark has had its chance). Whoever reads a whole
+        `data: ...\n\n` event past the parser while it is idle leaves it exactly as feeding
+        those bytes would, apart from the `id`, which such an event does not touch."""
+        return (
+            self._started
+            and not self._partial
+            and not self._after_cr
+            and not self._data
+            and not self._event
+        )
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """The events `chunk` completes; raises EventTooLarge past the limit."""

@@ -494,7 +494,12 @@ class _HTTPError(Exception):
 
 
 def _frame(data: Any) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data)
+    """One event as vLLM writes it: pydantic's compact JSON, UTF-8 as is."""
+    text = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    )
     return f"data: {text}\n\n".encode()
 
 

@@ -14,6 +14,7 @@ UTF-8 breaks every later scrape), and log fields are capped and escaped.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -41,9 +42,11 @@ request_log = Logger(namespace="homelab_gateway.requests")
 ANONYMOUS_LABEL = "anonymous"
 
 
+@functools.lru_cache(maxsize=1024)
 def client_label(client: str) -> str:
     """A client as a metrics label: its key's name, or one label for every address (addresses
-    are unbounded; config refuses client names that are addresses)."""
+    are unbounded; config refuses client names that are addresses). Cached: parsing an address
+    is the dearest step of a request's metrics, and the same few clients come back."""
     try:
         ipaddress.ip_address(client)
     except ValueError:
@@ -135,6 +138,10 @@ class Telemetry:
         self.active: dict[int, RequestRecord] = {}
         self.recent: deque[tuple[RequestRecord, float]] = deque(maxlen=RECENT)
         self.on_change: Callable[[], None] | None = None
+        # Each metric's child per label values: `labels()` checks and converts its arguments
+        # and takes a lock on every call. Bounded as the metrics' own children are (labels are
+        # configured names and fixed words, never a client's string), and never removed.
+        self._children: dict[tuple[object, tuple[Any, ...]], Any] = {}
         self.registry = CollectorRegistry()
         self.registry.register(_SlotCollector(pools))
         self.requests = Counter(
@@ -195,10 +202,16 @@ class Telemetry:
             registry=self.registry,
         )
 
+    def _child(self, metric: Any, *values: Any) -> Any:
+        child = self._children.get((metric, values))
+        if child is None:
+            child = self._children[metric, values] = metric.labels(*values)
+        return child
+
     def retried(self, upstream: str, reason: str, elsewhere: bool) -> None:
-        self.retries.labels(upstream, reason).inc()
+        self._child(self.retries, upstream, reason).inc()
         if elsewhere:
-            self.failovers.labels(upstream, reason).inc()
+            self._child(self.failovers, upstream, reason).inc()
 
     def start(self, request_id: str, surface: str, method: bytes, path: bytes) -> RequestRecord:
         record = RequestRecord(
@@ -223,21 +236,21 @@ class Telemetry:
             self.on_change()
         outcome = record.outcome or "completed"
         model_label = record.served_model or (UNKNOWN_MODEL if record.model else "")
-        self.requests.labels(record.upstream, record.surface, model_label, outcome).inc()
+        child = self._child
+        child(self.requests, record.upstream, record.surface, model_label, outcome).inc()
         if record.queue_wait is not None and record.upstream:
-            self.queue_wait.labels(record.upstream).observe(record.queue_wait)
+            child(self.queue_wait, record.upstream).observe(record.queue_wait)
             served_as = record.served_as or record.priority
-            self.class_queue_wait.labels(record.upstream, served_as).observe(record.queue_wait)
+            child(self.class_queue_wait, record.upstream, served_as).observe(record.queue_wait)
         if record.slot_seconds is not None and record.upstream:
-            self.client_service.labels(record.upstream, client_label(record.client)).inc(
-                record.slot_seconds
-            )
+            client = client_label(record.client)
+            child(self.client_service, record.upstream, client).inc(record.slot_seconds)
         if record.first_token is not None:
-            self.first_token.labels(record.upstream, model_label).observe(record.first_token)
+            child(self.first_token, record.upstream, model_label).observe(record.first_token)
         if record.output_tokens:
-            self.output_tokens.labels(record.upstream, model_label).inc(record.output_tokens)
+            child(self.output_tokens, record.upstream, model_label).inc(record.output_tokens)
         if record.upstream_cancelled:
-            self.cancellations.labels(record.upstream).inc()
+            child(self.cancellations, record.upstream).inc()
         method, path = loggable(record.method), loggable(record.path)
         model = loggable(record.model) if record.model else None
         stop_reason = loggable(record.stop_reason) if record.stop_reason else record.stop_reason

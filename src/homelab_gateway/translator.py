@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,42 @@ _STOP_REASONS = {
     "function_call": "tool_use",
     "content_filter": "refusal",
 }
+
+
+# A JSON count `_is_count` accepts, written as JSON writes it (no leading zero), short enough
+# that orjson decodes it to an int (longer ones it decodes to a float).
+_COUNT = rb"(?:0|[1-9][0-9]{0,17})"
+# A JSON string with no escape and no control character: its text is the bytes between quotes.
+_PLAIN_STRING = rb'[^"\\\x00-\x1f]'
+# The text of a token: the same, and the two-character escapes (a newline, a quote: code is
+# full of them), but no `\u` escape, which may be half of a surrogate pair.
+_TEXT = rb'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt])+)'
+
+PLAIN_EVENT = re.compile(
+    rb'data: \{"id":"'
+    + _PLAIN_STRING
+    + rb'*","object":"chat\.completion\.chunk","created":'
+    + _COUNT
+    + rb',"model":"'
+    + _PLAIN_STRING
+    + rb'*","choices":\[\{"index":0,"delta":\{'
+    rb'"(content|reasoning|reasoning_content)":"' + _TEXT + rb'"\},'
+    rb'"logprobs":null,"finish_reason":null\}\]'
+    rb'(?:,"usage":\{"prompt_tokens":('
+    + _COUNT
+    + rb'),"total_tokens":'
+    + _COUNT
+    + rb',"completion_tokens":('
+    + _COUNT
+    + rb")\})?\}\n\n"
+)
+"""The event most of a stream is made of, exactly as vLLM writes it (pydantic's compact JSON,
+fields in declaration order, `usage` when `continuous_usage_stats` is on, LF line ends): one
+token of content or reasoning and nothing else. `UpstreamDecoder` hands each such event to
+`StreamTranslator.plain_delta` straight from the bytes, with no SSE parsing, JSON decoding or
+walking of the chunk; anything else (another field, another server's layout, CRLF, a `\\u`
+escape) goes the generic way. The pattern is strict enough that both ways give the same
+events: `tests/test_translator.py` checks that for every event it accepts."""
 
 
 class Phase(enum.Enum):
@@ -118,6 +155,28 @@ class StreamTranslator:
                 self._choice(choice)
                 if self.terminated:
                     break
+        return self._flush()
+
+    def plain_delta(
+        self, field: bytes, text: bytes, prompt: bytes | None, completion: bytes | None
+    ) -> list[Event]:
+        """`feed` for an event `PLAIN_EVENT` matched, given its groups, while STREAMING: what
+        `feed` does with that chunk's usage and its one non-empty text field. The text is
+        decoded as the generic way decodes it: the SSE parser's UTF-8 with replacement, then
+        JSON's escapes where there are any."""
+        if prompt is not None:
+            self.input_tokens = int(prompt)
+            self.output_tokens = int(completion)  # type: ignore[arg-type] (both or neither)
+        value = text.decode("utf-8", "replace")
+        if b"\\" in text:
+            value = orjson.loads('"' + value + '"')
+        if field == b"content":
+            self._delta("text", {"type": "text_delta", "text": value})
+        elif self._show_reasoning:
+            self._delta("thinking", {"type": "thinking_delta", "thinking": value})
+        else:
+            return []
+        self.counted_tokens += 1
         return self._flush()
 
     def end(self) -> list[Event]:
@@ -416,6 +475,29 @@ class UpstreamDecoder:
         self._parser = SSEParser()
 
     def feed(self, data: bytes) -> list[Event]:
+        """The events `data` completes: runs of plain events (`PLAIN_EVENT`) straight to
+        the translator, every other event through the SSE parser, in order."""
+        events: list[Event] = []
+        translator, parser, match = self.translator, self._parser, PLAIN_EVENT.match
+        position, size = 0, len(data)
+        while position < size:
+            if parser.idle and translator.phase is Phase.STREAMING:
+                while (event := match(data, position)) is not None and (
+                    event.end() - position - 2 <= parser.limit  # the line, as the parser bounds it
+                ):
+                    events += translator.plain_delta(*event.groups())
+                    position = event.end()
+                if position == size:
+                    break
+            # One event the generic way (or the rest, where no blank line ends one).
+            end = data.find(b"\n\n", position) + 2
+            if end < 2:
+                end = size
+            events += self._generic(data[position:end])
+            position = end
+        return events
+
+    def _generic(self, data: bytes) -> list[Event]:
         events: list[Event] = []
         try:
             parsed, too_large = self._parser.feed(data), None

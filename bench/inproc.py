@@ -1,0 +1,127 @@
+"""Short requests through a gateway and a stub in this one process, for counting, not timing.
+
+`python -m bench.inproc [--requests 200] [--profile FILE]` sends that many short `/llm`
+requests one after the other (alternately streaming and not, 8 + 8 tokens, a new connection
+each, as bench's scenario 2 does) and prints the wall-clock time per request. The gateway, the
+stub and this client share the process, so what it is good for is comparing two versions of
+the gateway by counts that do not depend on the machine's load: cProfile's function calls per
+request (`--profile`), or callgrind's instructions (the difference between two `--requests`
+values cancels start-up):
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
+        .venv/bin/python -m bench.inproc --requests 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.protocol import ClientFactory, Protocol
+from twisted.python.failure import Failure
+
+from homelab_gateway.config import parse_config
+from homelab_gateway.service import Gateway
+from homelab_gateway.stub import StubLog, StubSettings, stub_site
+
+
+class _Exchange(Protocol):
+    """One request on its own connection (`Connection: close`); the answer when it closes."""
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.received: list[bytes] = []
+        self.done: Deferred[bytes] = Deferred()
+
+    def connectionMade(self) -> None:
+        self.transport.write(self.request)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received.append(data)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.done.callback(b"".join(self.received))
+
+
+def exchange(port: int, request: bytes) -> Deferred[bytes]:
+    protocol = _Exchange(request)
+    factory = ClientFactory()
+    factory.buildProtocol = lambda addr: protocol  # type: ignore[method-assign]
+    reactor.connectTCP("127.0.0.1", port, factory)
+    return protocol.done
+
+
+def message(port: int, stream: bool) -> bytes:
+    body = json.dumps(
+        {
+            "model": "fast",
+            "max_tokens": 16,
+            "stream": stream,
+            "messages": [{"role": "user", "content": "Say hello."}],
+        }
+    ).encode()
+    head = (
+        f"POST /llm/v1/messages HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        "Content-Type: application/json\r\nConnection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def run(requests: int, profile: str | None) -> None:
+    stub = reactor.listenTCP(
+        0, stub_site(StubSettings(), reactor, StubLog(None)), interface="127.0.0.1"
+    )
+    document = {
+        "upstreams": {"fast": {"url": f"http://127.0.0.1:{stub.getHost().port}/v1", "slots": 8}},
+        "models": {"fast": {"upstream": "fast"}},
+    }
+    gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
+    listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1")
+    port = listening.getHost().port
+    answers: list[bytes] = []
+    for i in range(4):  # warm up: imports, the connection pool
+        answers.append(await exchange(port, message(port, i % 2 == 0)))
+    profiler = cProfile.Profile() if profile else None
+    started = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    for i in range(requests):
+        answers.append(await exchange(port, message(port, i % 2 == 0)))
+    if profiler is not None:
+        profiler.disable()
+    elapsed = time.perf_counter() - started
+    bad = [a[:80] for a in answers if not a.startswith(b"HTTP/1.1 200")]
+    assert not bad, bad
+    print(f"{requests} requests: {elapsed * 1e3 / requests:.2f} ms per request (wall clock)")
+    if profiler is not None:
+        profiler.dump_stats(profile)
+        calls = pstats.Stats(profiler).total_calls  # type: ignore[attr-defined]
+        print(f"{calls / requests:.0f} function calls per request; profile in {profile}")
+    await gateway.close()
+    await listening.stopListening()
+    await stub.stopListening()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--profile", default=None)
+    args = parser.parse_args()
+
+    def stop(result: Any) -> Any:
+        reactor.stop()
+        return result
+
+    reactor.callWhenRunning(lambda: ensureDeferred(run(args.requests, args.profile)).addBoth(stop))
+    reactor.run()
+
+
+if __name__ == "__main__":
+    main()
