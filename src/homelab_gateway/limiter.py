@@ -102,6 +102,11 @@ class _Want:
     avoid: frozenset[Replica] = frozenset()
     session: str | None = None
 
+    @property
+    def choosy(self) -> bool:
+        """Whether the head of the line may not be the waiter a free slot goes to."""
+        return self.among is not None or bool(self.avoid)
+
 
 @dataclass(eq=False)
 class Slot:
@@ -207,11 +212,11 @@ class PositionedSemaphore(DeferredSemaphore):
         self.limit = max(1, sum(m.limit for m in self.members))
         self.tokens = sum(m.free for m in self.members if m.circuit.state == UP)
 
-    def resize(self, limit: int, replica: Replica | None = None) -> None:
-        """Change the number of slots of `replica` (the only one, by default) on a config
-        reload: more slots are granted at once to the waiters next in line; fewer take effect
-        as held slots are released, never revoked."""
-        (replica or self.members[0]).limit = limit
+    def resize(self, limit: int) -> None:
+        """Change the number of slots of a line of one replica: more slots are granted at once
+        to the waiters next in line; fewer take effect as held slots are released, never
+        revoked. (A reload sets each replica's `limit` and calls `refresh`.)"""
+        self.members[0].limit = limit
         self.refresh()
 
     def refresh(self) -> None:
@@ -283,16 +288,7 @@ class PositionedSemaphore(DeferredSemaphore):
             if limit is not None and self.line.waiting_for(client) >= limit:
                 raise ClientQueueFull(client, limit)
         d: Deferred[Slot] = Deferred(canceller=self._cancelAcquire)
-        if first:
-            self._first.append(d)
-            self._retrying[d] = (client, rank)
-        else:
-            self.line.join(d, client, rank, now)
-            if want is not None and (want.among is not None or want.avoid):
-                self._choosy += 1
-        if want is not None:
-            self._wants[d] = want
-        self.waiting.append(d)
+        self._enqueue(d, client, rank, now, want, first)
         if on_position is None and not self._listeners:
             return d
         if on_position is not None:
@@ -419,7 +415,7 @@ class PositionedSemaphore(DeferredSemaphore):
             candidates = self._open_for(want, now)
             if not candidates:
                 continue
-            if want is not None and (want.among is not None or want.avoid):
+            if want is not None and want.choosy:
                 self._choosy -= 1
             if index == 0:
                 popped = self.line.pop(now)
@@ -440,6 +436,34 @@ class PositionedSemaphore(DeferredSemaphore):
         if moved is not None:
             moved._cancelAcquire(d)
             return
+        if self._dequeue(d):
+            self._tell_rises(self.clock.seconds())
+        self._changed()
+
+    def _enqueue(
+        self,
+        d: Deferred[Slot],
+        client: str,
+        rank: int,
+        arrived: float,
+        want: _Want | None,
+        first: bool,
+    ) -> None:
+        """Put a waiter in the line (a retry: ahead of it), with what it may take."""
+        if first:
+            self._first.append(d)
+            self._retrying[d] = (client, rank)
+        else:
+            self.line.join(d, client, rank, arrived)
+            if want is not None and want.choosy:
+                self._choosy += 1
+        if want is not None:
+            self._wants[d] = want
+        self.waiting.append(d)
+
+    def _dequeue(self, d: Deferred[Slot]) -> bool:
+        """Take a waiter that was not granted out of the line; True if that may have moved
+        another waiter back (`Line.leave`)."""
         reordered = False
         if d in self._retrying:
             self._first.remove(d)
@@ -447,13 +471,11 @@ class PositionedSemaphore(DeferredSemaphore):
         else:
             reordered = self.line.leave(d)
             want = self._wants.get(d)
-            if want is not None and (want.among is not None or want.avoid):
+            if want is not None and want.choosy:
                 self._choosy -= 1
         self._wants.pop(d, None)
         self._remove_waiting(d)
-        if reordered:
-            self._tell_rises(self.clock.seconds())
-        self._changed()
+        return reordered
 
     def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
         moved = self._moved.get(d)
@@ -552,19 +574,15 @@ class PositionedSemaphore(DeferredSemaphore):
                 continue
             first = d in old._retrying
             if first:
-                old._first.remove(d)
-                client, rank = old._retrying.pop(d)
-                arrived = now
+                (client, rank), arrived = old._retrying[d], now
             else:
                 client, rank, arrived = old.line.arrived(d)
-                old.line.leave(d)
-                if want.among is not None or want.avoid:
-                    old._choosy -= 1
-            old._wants.pop(d, None)
-            old._remove_waiting(d)
+            old._dequeue(d)
             old._moved[d] = self
             d.addBoth(self._forget_move, old, d)
-            self._join_moved(d, client, rank, arrived, want, among, first=first)
+            restricted = among if len(among) < len(self.members) else None
+            moved = _Want(restricted, want.avoid, want.session)
+            self._enqueue(d, client, rank, arrived, moved if moved != _Want() else None, first)
             listener = old._listeners.pop(d, None)
             if listener is not None:
                 self._listeners[d] = listener
@@ -573,28 +591,6 @@ class PositionedSemaphore(DeferredSemaphore):
         old._count()
         self._tell_rises(now)
         self.refresh()
-
-    def _join_moved(
-        self,
-        d: Deferred[Slot],
-        client: str,
-        rank: int,
-        arrived: float,
-        want: _Want,
-        among: frozenset[Replica],
-        first: bool,
-    ) -> None:
-        restricted = among if len(among) < len(self.members) else None
-        if first:
-            self._first.append(d)
-            self._retrying[d] = (client, rank)
-        else:
-            self.line.join(d, client, rank, arrived)
-            if restricted is not None or want.avoid:
-                self._choosy += 1
-        if restricted is not None or want.avoid or want.session:
-            self._wants[d] = _Want(restricted, want.avoid, want.session)
-        self.waiting.append(d)
 
     @staticmethod
     def _forget_move(result: Any, old: PositionedSemaphore, d: Deferred[Slot]) -> Any:

@@ -107,7 +107,6 @@ async def hold_slot(
     """
     line = pools[0].slots
     names = "/".join(p.upstream.name for p in pools)
-    by_replica = {p.replica: p for p in pools}
     started = clock.seconds()
     timeout = max(p.queue_timeout for p in pools)
     if deadline is not None:
@@ -117,7 +116,7 @@ async def hold_slot(
             on_position,
             client=record.client,
             rank=CLASS_RANK.get(record.priority, CLASS_RANK[DEFAULT_CLASS]),
-            among=frozenset(by_replica),
+            among=frozenset(p.replica for p in pools),
             avoid=avoid,
             session=session,
             first=deadline is not None,
@@ -155,6 +154,6 @@ async def hold_slot(
         record.slot_seconds = seconds
 
     slot.on_release = held
-    pool = by_replica.get(slot.replica) or slot.replica.owner  # a reload gave the model more
+    pool = slot.replica.owner  # one of `pools`, or one a reload gave the model since
     assert isinstance(pool, Pool)
     return slot, pool

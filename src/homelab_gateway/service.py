@@ -47,7 +47,7 @@ from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.readiness import Probe, Readiness
 from homelab_gateway.reload import config_changes
-from homelab_gateway.replicas import DOWN, Circuit
+from homelab_gateway.replicas import DOWN
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
@@ -109,10 +109,9 @@ class Gateway:
         for name, upstream in new.upstreams.items():
             pool = self.pools.get(name) or self._retired.pop(name, None)
             if pool is None:
-                replica = Replica(name, upstream.slots, upstream.fallback, Circuit())
                 pool = Pool(
                     upstream=self._upstream_client(upstream),
-                    replica=replica,
+                    replica=Replica(name, upstream.slots),
                     queue_timeout=upstream.queue_timeout,
                 )
             else:
