@@ -18,6 +18,7 @@ def record(request_id: str = "req_1", started: float = 100.0, **fields: Any) -> 
 
 def status(**entry: Any) -> dict[str, Any]:
     line = {
+        "models": ["reasoning"],
         "slots": 2,
         "in_use": 1,
         "waiting": 0,
@@ -33,7 +34,6 @@ def build(**overrides: Any) -> dict[str, Any]:
         "started": 50.0,
         "version": "1.2.3",
         "status": status(),
-        "models": {"vllm": ["reasoning"]},
         "longest_wait": {},
         "in_flight": [],
         "finished": [],
@@ -82,7 +82,7 @@ class TestBuild:
         assert entry["longest_wait_s"] == 4.25
         assert (snap["version"], snap["uptime_s"]) == ("1.2.3", 150.0)
 
-    def test_an_upstreams_own_models_field_wins(self) -> None:
+    def test_an_upstreams_models_are_passed_on(self) -> None:
         snap = build(status=status(models=["a", "b"]))
         assert snap["upstreams"]["vllm"]["models"] == ["a", "b"]
 

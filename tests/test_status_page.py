@@ -68,7 +68,6 @@ class Pushing(TestCase):
             self.clock,
             self.telemetry,
             {"vllm": SimpleNamespace(slots=self.slots)},  # type: ignore[dict-item]
-            {},
             lambda: self.document,
         )
 

@@ -14,7 +14,7 @@ are copied out of one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from homelab_gateway.telemetry import RequestRecord
@@ -114,7 +114,6 @@ def build(
     started: float,
     version: str,
     status: Mapping[str, Any],
-    models: Mapping[str, Sequence[str]],
     longest_wait: Mapping[str, float],
     in_flight: Iterable[RequestRecord],
     finished: Iterable[tuple[RequestRecord, float]],
@@ -123,9 +122,8 @@ def build(
 ) -> dict[str, Any]:
     """The page's snapshot at `now` (seconds, the clock `started` and the records use).
 
-    - `status`: the `/llm/v1/status` document; each upstream entry (and each entry of a
-      top-level `models` map, where there is one) is passed on with its per-client counts cut.
-    - `models`: upstream -> the configured model names it serves, unless the entry says.
+    - `status`: the `/llm/v1/status` document; each upstream entry (its `models` included)
+      and each entry of its top-level `models` map is passed on with its per-client counts cut.
     - `longest_wait`: upstream -> how long its oldest waiter has waited, for those with one.
     - `in_flight`: every request being handled; those past the line (a slot granted) are rows,
       oldest first. Waiters are not rows: they are the counts.
@@ -135,7 +133,6 @@ def build(
     upstreams: dict[str, Any] = {}
     for name, entry in (status.get("upstreams") or {}).items():
         line = _line(entry, top)
-        line.setdefault("models", list(models.get(name, ())))
         line["longest_wait_s"] = _round(longest_wait.get(name))
         upstreams[name] = line
     snapshot: dict[str, Any] = {

@@ -29,7 +29,6 @@ from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
 from homelab_gateway import snapshot
-from homelab_gateway.config import ModelConfig
 from homelab_gateway.pool import Pool
 from homelab_gateway.sse import encode_event
 from homelab_gateway.telemetry import Telemetry
@@ -111,7 +110,6 @@ class StatusPage:
         clock: IReactorTime,
         telemetry: Telemetry,
         pools: Mapping[str, Pool],
-        models: Mapping[str, ModelConfig],
         document: Callable[[], dict[str, Any]],
         *,
         min_interval: float = MIN_INTERVAL,
@@ -121,7 +119,6 @@ class StatusPage:
         self.clock = clock
         self.telemetry = telemetry
         self.pools = pools
-        self.models = models
         self.document = document
         self.min_interval = min_interval
         self.live_interval = live_interval
@@ -134,10 +131,6 @@ class StatusPage:
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock.seconds()
-        served: dict[str, list[str]] = {}
-        for name, model in self.models.items():
-            for upstream in model.replicas:
-                served.setdefault(upstream, []).append(name)
         longest = {}
         for name, pool in self.pools.items():
             arrived = pool.slots.line.oldest_arrival()
@@ -150,7 +143,6 @@ class StatusPage:
                 started=self.started,
                 version=VERSION,
                 status=self.document(),
-                models=served,
                 longest_wait=longest,
                 in_flight=self.telemetry.active.values(),
                 finished=self.telemetry.recent,

@@ -68,9 +68,7 @@ class GatewayApp:
         self.telemetry = telemetry
         self.readiness = readiness
         self.metrics_resource = MetricsResource(telemetry.registry)
-        self.status_page = StatusPage(
-            messages.clock, telemetry, pools, models, self.status_document
-        )
+        self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
 
     def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
         request_id = request.request_id  # GatewayRequest gives every answer one
@@ -224,14 +222,14 @@ class GatewayApp:
                 "waiting_by_class": line.line.waiting_by_class(now),
                 "waiting_by_client": line.line.waiting_by_client(),
             }
-        lines = {
-            model.name: {
+        lines = {}
+        for model in self.models.values():
+            line = self.pools[model.replicas[0]].slots
+            lines[model.name] = {
                 "upstreams": list(model.replicas),
-                "line": self.pools[model.replicas[0]].slots.name,
-                "waiting": len(self.pools[model.replicas[0]].slots.waiting),
+                "line": line.name,
+                "waiting": len(line.waiting),
             }
-            for model in self.models.values()
-        }
         return {"upstreams": upstreams, "models": lines}
 
     @app.route("/status", methods=["GET", "HEAD"])
