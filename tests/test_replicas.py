@@ -24,12 +24,12 @@ class CircuitStates(SynchronousTestCase):
         self.assertEqual((circuit.down_since, circuit.retry_at), (2, 32))
         self.assertFalse(circuit.admits(31.9))
         self.assertTrue(circuit.admits(32))
-        self.assertTrue(circuit.begin(32), "the first request after the cool-down is the trial")
+        self.assertTrue(circuit.begin(), "the first request after the cool-down is the trial")
         self.assertEqual(circuit.state, HALF_OPEN)
         self.assertFalse(circuit.admits(33), "one trial at a time")
         self.assertEqual(circuit.succeeded(), UP)
         self.assertTrue(circuit.admits(33))
-        self.assertFalse(circuit.begin(33))
+        self.assertFalse(circuit.begin())
 
     def test_a_success_between_failures_resets_the_count(self) -> None:
         circuit = Circuit(failures_to_open=2)
@@ -41,7 +41,7 @@ class CircuitStates(SynchronousTestCase):
     def test_a_failed_trial_starts_a_new_cool_down_and_keeps_down_since(self) -> None:
         circuit = Circuit(failures_to_open=1, cooldown=10)
         circuit.failed(5, "refused")
-        circuit.begin(15)
+        circuit.begin()
         self.assertEqual(circuit.failed(15, "refused again"), DOWN)
         self.assertEqual((circuit.down_since, circuit.retry_at), (5, 25))
         self.assertEqual(circuit.last_error, "refused again")
@@ -55,7 +55,7 @@ class CircuitStates(SynchronousTestCase):
     def test_an_abandoned_trial_lets_the_next_request_try(self) -> None:
         circuit = Circuit(failures_to_open=1, cooldown=1)
         circuit.failed(0, "x")
-        circuit.begin(1)
+        circuit.begin()
         circuit.abandoned()
         self.assertTrue(circuit.admits(1))
 

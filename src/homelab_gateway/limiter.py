@@ -323,7 +323,7 @@ class PositionedSemaphore(DeferredSemaphore):
         replica = choose(candidates, self.sessions.get(session), self._turn)
         self._turn += 1
         replica.held += 1
-        trial = replica.circuit.begin(now)
+        trial = replica.circuit.begin()
         self.sessions.served(session, replica.name)
         self._count()
         slot = Slot(self, grant, now, replica, trial)

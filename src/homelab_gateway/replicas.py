@@ -45,7 +45,7 @@ class Circuit:
             return self.retry_at is not None and now >= self.retry_at
         return not self.trial
 
-    def begin(self, now: float) -> bool:
+    def begin(self) -> bool:
         """A request starts on this replica (`admits` said yes); True if it is the trial."""
         if self.state == UP:
             return False

@@ -50,8 +50,7 @@ class SSEParser:
     """
 
     def __init__(self, limit: int = MAX_EVENT_BYTES) -> None:
-        self.limit = limit
-        self._limit = limit
+        self.limit = limit  # bytes of one line, or of one event's data
         self._partial: list[bytes] = []  # the reads holding the line not yet ended
         self._partial_size = 0
         self._after_cr = False
@@ -91,8 +90,8 @@ class SSEParser:
             return self._lines(lines)
         if b"\n" not in chunk and b"\r" not in chunk:
             self._partial_size += len(chunk)
-            if self._partial_size > self._limit:
-                raise EventTooLarge(self._limit, [])
+            if self._partial_size > self.limit:
+                raise EventTooLarge(self.limit, [])
             self._partial.append(chunk)
             return []
         self._after_cr = chunk.endswith(b"\r")
@@ -106,8 +105,8 @@ class SSEParser:
             rest = lines.pop()
             self._partial, self._partial_size = [rest], len(rest)
         events = self._lines(lines)
-        if self._partial_size > self._limit:
-            raise EventTooLarge(self._limit, events)
+        if self._partial_size > self.limit:
+            raise EventTooLarge(self.limit, events)
         return events
 
     def _lines(self, lines: list[bytes]) -> list[ServerSentEvent]:
@@ -116,8 +115,8 @@ class SSEParser:
             if raw[:6] == b"data: " and self._started:
                 # Once per token: `_line` inlined for its most common case.
                 self._data_size += len(raw) - 5
-                if len(raw) > self._limit or self._data_size > self._limit:
-                    raise EventTooLarge(self._limit, events)
+                if len(raw) > self.limit or self._data_size > self.limit:
+                    raise EventTooLarge(self.limit, events)
                 self._data.append(raw[6:].decode("utf-8", "replace"))
                 continue
             try:
@@ -144,8 +143,8 @@ class SSEParser:
         field = name.decode("utf-8", "replace")
         if field == "data":
             self._data_size += len(value) + 1
-            if len(raw) > self._limit or self._data_size > self._limit:
-                raise EventTooLarge(self._limit, [])
+            if len(raw) > self.limit or self._data_size > self.limit:
+                raise EventTooLarge(self.limit, [])
             self._data.append(value.decode("utf-8", "replace"))
         elif field == "event":
             self._event = value.decode("utf-8", "replace")
