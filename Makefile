@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 # The status page's browser test drives Debian's chromium through Playwright, which is never
 # asked to download a browser of its own.
 CHROMIUM := /usr/bin/chromium
+# The tests of gateways sharing a line run a real Redis: Debian's redis-server.
+REDIS := /usr/bin/redis-server
 
 .PHONY: demo test install bench chaos
 
@@ -24,7 +26,11 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
 
-test: install $(CHROMIUM)
+$(REDIS):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+
+test: install $(CHROMIUM) $(REDIS)
 	$(BIN)/ruff check src tests twisted bench
 	$(BIN)/ruff format --check src tests twisted bench
 	$(BIN)/python -m pytest

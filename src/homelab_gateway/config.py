@@ -11,12 +11,13 @@ import hashlib
 import ipaddress
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
 PRIORITY_CLASSES = ("interactive", "normal", "batch")  # best first; line.CLASSES agrees
@@ -121,6 +122,21 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """`[cluster]`: the Redis that several gateways share their slots and lines through."""
+
+    host: str
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    instance: str = ""
+    lease: float = 10.0  # seconds before a silent gateway's slots and waiters expire
+    prefix: str = "hgw:"
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     upstreams: Mapping[str, UpstreamConfig]
@@ -129,6 +145,7 @@ class Config:
     auth: AuthConfig = AuthConfig()
     clients: Mapping[str, ClientConfig] = field(default_factory=dict)
     queue: QueueConfig = QueueConfig()
+    cluster: ClusterConfig | None = None
 
 
 class _Section:
@@ -234,7 +251,9 @@ def parse_config(
     document: Mapping[str, Any], *, source: str = "<config>", environ: Mapping[str, str]
 ) -> Config:
     top = _Section(source, "", dict(document))
-    top.reject_unknown({"server", "upstreams", "models", "routes", "auth", "clients", "queue"})
+    top.reject_unknown(
+        {"server", "upstreams", "models", "routes", "auth", "clients", "queue", "cluster"}
+    )
     server = _parse_server(_Section(source, "server", top.table.get("server", {})))
     auth = _parse_auth(_Section(source, "auth", top.table.get("auth", {})), environ)
     clients = _parse_clients(_Section(source, "clients", top.table.get("clients", {})), environ)
@@ -264,6 +283,9 @@ def parse_config(
     for i, prefix in enumerate(prefixes):
         if prefix in prefixes[:i]:
             raise ConfigError(f"{source}: routes[{i}].prefix: {prefix!r} is used by another route")
+    cluster = None
+    if "cluster" in top.table:
+        cluster = _parse_cluster(_Section(source, "cluster", top.table["cluster"]), server, environ)
     return Config(
         server=server,
         upstreams=upstreams,
@@ -272,7 +294,55 @@ def parse_config(
         auth=auth,
         clients=clients,
         queue=queue,
+        cluster=cluster,
     )
+
+
+def _parse_cluster(
+    section: _Section, server: ServerConfig, environ: Mapping[str, str]
+) -> ClusterConfig:
+    """`redis_url` as Redis clients spell it: redis://[[user]:password@]host[:port][/db], or
+    rediss:// for TLS; the password may come from `password_env` instead of the URL."""
+    section.reject_unknown({"redis_url", "password_env", "instance", "lease", "prefix"})
+    url = section.string("redis_url", required=True)
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise section.error("redis_url", f"must be a redis:// or rediss:// URL, got {url!r}")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise section.error("redis_url", f"has a bad port: {url!r}") from None
+    db = parts.path.strip("/") or "0"
+    if not db.isdigit() or parts.query or parts.fragment:
+        raise section.error("redis_url", f"must end in a database number, got {url!r}")
+    password = unquote(parts.password) if parts.password else None
+    password_env = section.string("password_env")
+    if password_env is not None:
+        if password is not None:
+            raise section.error("password_env", "the redis_url already has a password")
+        if password_env not in environ:
+            raise section.error("password_env", f"environment variable {password_env} is not set")
+        password = environ[password_env]
+    return ClusterConfig(
+        host=parts.hostname,
+        port=port,
+        db=int(db),
+        username=unquote(parts.username) if parts.username else None,
+        password=password,
+        tls=parts.scheme == "rediss",
+        instance=section.string("instance", default_instance(server.listen)),
+        lease=section.seconds("lease", ClusterConfig.lease),
+        prefix=section.string("prefix", ClusterConfig.prefix),
+    )
+
+
+def default_instance(listen: str) -> str:
+    """This gateway's name among those sharing a Redis: its host name and listening port."""
+    host = socket.gethostname()
+    fields = listen.split(":")
+    if fields[0] in ("tcp", "tcp6", "ssl") and len(fields) > 1 and fields[1].isdigit():
+        return f"{host}:{fields[1]}"
+    return host
 
 
 def _quote(name: str) -> str:

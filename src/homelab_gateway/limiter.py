@@ -62,6 +62,11 @@ class QueueFull(Exception):
     """The queue already holds `queue_limit` waiters."""
 
 
+class Unavailable(Exception):
+    """The line is shared through Redis and Redis cannot be reached: no slot can be granted
+    without risking the cap (`shared.SharedSemaphore`)."""
+
+
 class ClientQueueFull(QueueFull):
     """This client already has `max_waiting` waiters; others may still queue."""
 
@@ -122,33 +127,21 @@ class Slot:
     on_release: Callable[[float], None] | None = None  # told the seconds the slot was held
     released: bool = False
     judged: bool = False
+    id: str = ""  # its name in a line shared through Redis
 
     def succeeded(self) -> None:
         self.judged = True
-        change = self.replica.circuit.succeeded()
-        if change is not None:
-            self._line()._health_changed(self.replica, change, None)
+        self._line()._judged(self, None)
 
     def failed(self, reason: str) -> None:
         self.judged = True
-        change = self.replica.circuit.failed(self.semaphore.clock.seconds(), reason)
-        if change is not None:
-            self._line()._health_changed(self.replica, change, reason)
+        self._line()._judged(self, reason)
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        held = self.semaphore.clock.seconds() - self.granted_at
-        reordered = self.semaphore.line.settle(self.grant, held)
-        if self.on_release is not None:
-            self.on_release(held)
-        if self.trial and not self.judged:
-            self.replica.circuit.abandoned()
-        self.semaphore._holding.pop(self, None)
-        line = self._line()
-        line.holds.add(held)
-        line._give_back(self.replica, reordered and line is self.semaphore)
+        self.semaphore._released(self)
 
     def _line(self) -> PositionedSemaphore:
         return self.replica.group or self.semaphore
@@ -346,6 +339,30 @@ class PositionedSemaphore(DeferredSemaphore):
         if position < len(self.waiting):
             self._raise(places)
             self._changed()  # its client's later waiters went back: others may have moved up
+
+    def _released(self, slot: Slot) -> None:
+        """`slot` was released: settle its client's fair share with the time it was really
+        held and hand the slot on."""
+        held = self.clock.seconds() - slot.granted_at
+        reordered = self.line.settle(slot.grant, held)
+        if slot.on_release is not None:
+            slot.on_release(held)
+        if slot.trial and not slot.judged:
+            slot.replica.circuit.abandoned()
+        self._holding.pop(slot, None)
+        line = slot._line()
+        line.holds.add(held)
+        line._give_back(slot.replica, reordered and line is self)
+
+    def _judged(self, slot: Slot, failure: str | None) -> None:
+        """What a request met on `slot`'s replica (None: success), for its circuit."""
+        replica = slot.replica
+        if failure is None:
+            change = replica.circuit.succeeded()
+        else:
+            change = replica.circuit.failed(self.clock.seconds(), failure)
+        if change is not None:
+            self._health_changed(replica, change, failure)
 
     def release(self) -> None:
         """Free one slot of the only replica: the line's next waiter gets it at once

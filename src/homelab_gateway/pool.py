@@ -17,6 +17,7 @@ from homelab_gateway.limiter import (
     QueueFull,
     Replica,
     Slot,
+    Unavailable,
 )
 from homelab_gateway.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
 from homelab_gateway.replicas import UP
@@ -135,9 +136,13 @@ async def hold_slot(
             retry_after=QUEUE_FULL_RETRY_AFTER,
             outcome="rejected_queue_full",
         ) from None
+    except Unavailable as e:
+        raise _unavailable(names, e) from None
     d.addTimeout(timeout, clock)
     try:
         slot = await d
+    except Unavailable as e:
+        raise _unavailable(names, e) from None
     except DeferredTimeout:
         message = f"waited {max(p.queue_timeout for p in pools):g}s for a slot on upstream {names}"
         errors = [p.replica.circuit.last_error for p in pools if p.replica.circuit.state != UP]
@@ -157,3 +162,14 @@ async def hold_slot(
     pool = slot.replica.owner  # one of `pools`, or one a reload gave the model since
     assert isinstance(pool, Pool)
     return slot, pool
+
+
+def _unavailable(names: str, e: Unavailable) -> GatewayError:
+    """Redis, which the gateways share the line through, is away: nobody may be granted a
+    slot without risking the cap, so the request is refused as overloaded, to be retried."""
+    return GatewayError(
+        529,
+        f"upstream {names}: {e}",
+        retry_after=QUEUE_FULL_RETRY_AFTER,
+        outcome="rejected_cluster_unavailable",
+    )

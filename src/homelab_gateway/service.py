@@ -30,6 +30,7 @@ from twisted.web.client import Agent
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.channel import GatewaySite, WireLimits
+from homelab_gateway.cluster import Cluster
 from homelab_gateway.config import (
     Config,
     ConfigError,
@@ -48,6 +49,7 @@ from homelab_gateway.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.readiness import Probe, Readiness
 from homelab_gateway.reload import config_changes
 from homelab_gateway.replicas import DOWN
+from homelab_gateway.shared import SharedSemaphore
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
@@ -80,6 +82,8 @@ class Gateway:
         # an upstream added back before they finish gets its old slots back, not a second set.
         self._retired: WeakValueDictionary[str, Pool] = WeakValueDictionary()
         self.models: dict[str, ModelConfig] = {}
+        # [cluster]: lines shared with other gateways through Redis (read at start only).
+        self.cluster = Cluster(config.cluster, reactor) if config.cluster is not None else None
         self._sync_pools(None, config)
         self.models.update(config.models)
         self.telemetry = Telemetry(reactor, self.pools)
@@ -97,6 +101,7 @@ class Gateway:
             inflight=self.inflight,
             telemetry=self.telemetry,
             readiness=self.readiness,
+            cluster=self.cluster,
         )
         self.site = GatewaySite(self.app.app.resource(), self._limits(config), reactor=reactor)
         self.site.displayTracebacks = False
@@ -138,7 +143,14 @@ class Gateway:
             before = {m.group for m in members if m.group is not None}
             line = next(iter(before)) if len(before) == 1 else None
             if line is None or set(line.members) != set(members):
-                line = PositionedSemaphore(members, self.reactor, on_health=self._health_changed)
+                if self.cluster is None:
+                    line = PositionedSemaphore(
+                        members, self.reactor, on_health=self._health_changed
+                    )
+                else:
+                    line = SharedSemaphore(
+                        members, self.reactor, cluster=self.cluster, on_health=self._health_changed
+                    )
                 for old in before:
                     line.adopt(old)
             line.queue_limit = sum(config.upstreams[name].queue_limit for name in names)
@@ -247,6 +259,8 @@ class Gateway:
     def start(self) -> None:
         self._started = True
         self.readiness.start()
+        if self.cluster is not None:
+            self.cluster.start()
 
     def reload(self, config: Config) -> list[str]:
         """Apply `config` without dropping anything; return what changed, one line each.
@@ -303,6 +317,8 @@ class Gateway:
 
     async def close(self) -> None:
         self.readiness.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
         for line in self._lines():
             line.close()
         await self.http_pool.closeCachedConnections()

@@ -17,6 +17,7 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import NotFound
 
 from homelab_gateway.access import AccessPolicy
+from homelab_gateway.cluster import Cluster
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.inflight import InFlight
@@ -58,6 +59,7 @@ class GatewayApp:
         inflight: InFlight,
         telemetry: Telemetry,
         readiness: Readiness,
+        cluster: Cluster | None = None,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -65,6 +67,7 @@ class GatewayApp:
         self.messages = messages
         self.access = access
         self.inflight = inflight
+        self.cluster = cluster
         self.telemetry = telemetry
         self.readiness = readiness
         self.metrics_resource = MetricsResource(telemetry.registry)
@@ -101,6 +104,8 @@ class GatewayApp:
     @app.route("/readyz", methods=["GET", "HEAD"])
     def readyz(self, request: IRequest) -> bytes:
         ready, upstreams = self.readiness.report()
+        if self.cluster is not None and not self.cluster.live:
+            ready = False  # every request would get 529: send them to another gateway
         if self.inflight.draining:
             return send_json(request, 503, {"status": "shutting down", "upstreams": upstreams})
         return send_json(
@@ -230,7 +235,15 @@ class GatewayApp:
                 "line": line.name,
                 "waiting": len(line.waiting),
             }
-        return {"upstreams": upstreams, "models": lines}
+        document: dict[str, Any] = {"upstreams": upstreams, "models": lines}
+        if self.cluster is not None:
+            document["cluster"] = {
+                "instance": self.cluster.instance,
+                "redis": "up" if self.cluster.live else "down",
+                "down_since": _iso(self.cluster.lost_at, now),
+                "last_error": self.cluster.last_error,
+            }
+        return document
 
     @app.route("/status", methods=["GET", "HEAD"])
     def status_page_html(self, request: IRequest) -> bytes:

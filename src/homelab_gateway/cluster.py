@@ -1,0 +1,270 @@
+"""This gateway's link to the Redis that several gateways share their slots and lines through.
+
+`[cluster]` in the config turns it on; without it nothing here runs and every line lives in the
+process (`limiter.PositionedSemaphore`). With it, every line is a `shared.SharedSemaphore`:
+a copy of the line that changes only by replaying the events the Lua scripts in `scripts`
+append to one Redis stream, in that stream's order, so every gateway's copy agrees.
+
+What this module does: keep two connections (one for the scripts and the lease, one blocked
+reading the stream), renew this gateway's lease (`lease` seconds; a gateway that stops renewing
+is swept: its waiters leave, its slots are released), sweep for the others, and when Redis
+cannot be reached, tell the lines (`lost`), then reconnect with back-off and rebuild them from
+a snapshot (`rebuild`). Nothing blocks the reactor: txredisapi is Twisted-native.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import txredisapi
+from twisted.internet.defer import Deferred, ensureDeferred, fail
+from twisted.internet.ssl import optionsForClientTLS
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+
+from homelab_gateway.config import ClusterConfig
+from homelab_gateway.limiter import Unavailable
+from homelab_gateway.scripts import SHAS, SOURCES
+
+if TYPE_CHECKING:
+    from homelab_gateway.shared import SharedSemaphore
+
+log = Logger()
+STREAM_LENGTH = 100_000
+"""Events kept in the stream (about; Redis trims in whole nodes). A gateway that falls further
+behind than this sees a gap in the numbers and rebuilds from a snapshot."""
+READ_BLOCK_MS = 1000  # a blocked read returns at least this often, so a dead link shows
+READ_BATCH = 1000
+BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
+
+
+class Cluster:
+    """One gateway's membership of a cluster: its instance id, its connections, its lines."""
+
+    def __init__(self, config: ClusterConfig, reactor: Any) -> None:
+        self.config = config
+        self.reactor = reactor
+        # Unique per process: a gateway restarted under the same name is a new member, so the
+        # leftovers of its previous life are swept, not mistaken for its own.
+        self.instance = f"{config.instance}/{secrets.token_hex(4)}"
+        self.lines: dict[str, SharedSemaphore] = {}
+        self.live = False
+        self.lost_at: float | None = None
+        self.last_error: str | None = None
+        self._n = 0
+        self._running = False
+        self._commands: Any = None
+        self._reader: Any = None
+        self._seq = 0
+        self._last_id = "0-0"
+        self._renewal: LoopingCall | None = None
+        self._run: Deferred[None] | None = None
+        # Releases that could not be sent: sent when Redis is back, before anything else.
+        self.unsent: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    def key(self, *parts: str) -> str:
+        return self.config.prefix + ":".join(parts)
+
+    @property
+    def lease_key(self) -> str:
+        return self.key("lease", self.instance)
+
+    def new_id(self) -> str:
+        self._n += 1
+        return f"{self.instance}/{self._n}"
+
+    def start(self) -> None:
+        self._running = True
+        self._run = ensureDeferred(self._keep_connected())
+
+    async def stop(self) -> None:
+        """A clean stop: the lease goes at once and whatever this gateway still holds or
+        awaits is swept now, so the others do not wait `lease` seconds for it."""
+        self._running = False
+        if self._renewal is not None and self._renewal.running:
+            self._renewal.stop()
+        if self.live:
+            try:
+                await self._commands.delete(self.lease_key)
+                for line in list(self.lines.values()):
+                    await self.line_call(line, "sweep")
+            except Exception as e:  # stopping anyway; the lease expires
+                log.warn("could not give back this gateway's share at stop: {e}", e=e)
+        await self._disconnect()
+        if self._run is not None:
+            await self._run
+
+    async def _keep_connected(self) -> None:
+        delay = BACKOFF[0]
+        while self._running:
+            try:
+                await self._connect()
+                await self._rejoin()
+                delay = BACKOFF[0]
+                await self._follow()
+            except txredisapi.RedisError as e:
+                if self._running:
+                    self.last_error = str(e) or type(e).__name__
+            except Exception as e:  # a bug must not end the gateway's link for good
+                self.last_error = str(e) or type(e).__name__
+                log.failure("the shared line's replay failed; rebuilding it")
+            self._set_lost()
+            await self._disconnect()
+            if not self._running:
+                return
+            await deferLater(self.reactor, delay, lambda: None)
+            delay = min(delay * 2, BACKOFF[1])
+
+    async def _connect(self) -> None:
+        config = self.config
+        options: dict[str, Any] = {
+            "dbid": config.db,
+            "reconnect": False,
+            "password": config.password,
+            "username": config.username,
+            "convertNumbers": False,
+            "connectTimeout": min(5.0, config.lease / 2),
+            "ssl_context_factory": optionsForClientTLS(config.host) if config.tls else False,
+        }
+        self._commands = await txredisapi.Connection(
+            config.host, config.port, replyTimeout=config.lease / 2, **options
+        )
+        self._reader = await txredisapi.Connection(
+            config.host, config.port, replyTimeout=READ_BLOCK_MS / 1000 + config.lease, **options
+        )
+
+    async def _disconnect(self) -> None:
+        for connection in (self._reader, self._commands):
+            if connection is not None:
+                with suppress(Exception):  # already gone
+                    await connection.disconnect()
+        self._reader = self._commands = None
+
+    async def _rejoin(self) -> None:
+        """Take the lease, send what could not be sent, rebuild every line, renew."""
+        await self._renew()
+        for (line_key, slot), args in list(self.unsent.items()):
+            line = self.lines.get(line_key)
+            if line is not None:
+                await self.line_call(line, "release", slot, *args)
+            del self.unsent[(line_key, slot)]
+        await self.rebuild()
+        self.live = True
+        if self.lost_at is not None:
+            log.info("the shared line at {url} is back", url=self._where())
+        self.lost_at = None
+        self._renewal = LoopingCall(self._tick)
+        self._renewal.clock = self.reactor
+        self._renewal.start(self.config.lease / 3, now=False).addErrback(self._renewal_failed)
+
+    def _where(self) -> str:
+        return f"redis {self.config.host}:{self.config.port}/{self.config.db}"
+
+    async def _renew(self) -> None:
+        await self._commands.set(
+            self.lease_key, self.instance, pexpire=int(self.config.lease * 1000)
+        )
+
+    async def _tick(self) -> None:
+        """Every third of a lease: renew it, sweep the silent, and let each line claim what
+        its copy shows free (a claim lost to a race is retried here at the latest)."""
+        await self._renew()
+        for line in list(self.lines.values()):
+            await self.line_call(line, "sweep")
+            line.refresh()
+
+    def _renewal_failed(self, failure: Any) -> None:
+        """The lease could not be renewed: the link is down; the reader's end makes it so."""
+        self.last_error = failure.getErrorMessage()
+        if self._reader is not None:
+            self._reader.transport.abortConnection()
+
+    def _set_lost(self) -> None:
+        if self._renewal is not None and self._renewal.running:
+            self._renewal.stop()
+        self._renewal = None
+        if not self.live:
+            return
+        self.live = False
+        self.lost_at = self.reactor.seconds()
+        log.warn(
+            "lost the shared line at {where} ({error}): new requests get 529 until it is back",
+            where=self._where(),
+            error=self.last_error,
+        )
+        for line in list(self.lines.values()):
+            line.lost()
+
+    async def rebuild(self) -> None:
+        """Read every line's waiters and slots and the last event's number in one step, and
+        rebuild each line's copy from them; the stream is then followed from that event."""
+        lines = list(self.lines.values())
+        keys = [self.key("events"), self.key("seq")]
+        for line in lines:
+            keys.append(self.key("line", line.key, "waiting"))
+            keys += [self.key("upstream", name, "slots") for name in line.member_names]
+        reply = await self._eval("snapshot", keys, [])
+        self._seq, self._last_id, now = int(reply[0]), reply[1], float(reply[2])
+        hashes = iter(reply[3:])
+        for line in lines:
+            waiting = _pairs(next(hashes))
+            slots = {name: _pairs(next(hashes)) for name in line.member_names}
+            line.rebuild(now, waiting, slots)
+
+    async def _follow(self) -> None:
+        """Replay the stream into the lines, in its order, until the link fails."""
+        while self._running:
+            reply = await self._reader.execute_command(
+                "XREAD",
+                "COUNT",
+                READ_BATCH,
+                "BLOCK",
+                READ_BLOCK_MS,
+                "STREAMS",
+                self.key("events"),
+                self._last_id,
+            )
+            if not reply:
+                continue
+            touched: dict[SharedSemaphore, None] = {}
+            for entry_id, fields in reply[0][1]:
+                event = orjson.loads(fields[1])
+                if int(event["n"]) != self._seq + 1:
+                    log.info("gap in the shared line's events: rebuilding from Redis")
+                    await self.rebuild()
+                    break
+                self._seq, self._last_id = int(event["n"]), entry_id
+                line = self.lines.get(event["l"])
+                if line is not None:
+                    line.apply(event)
+                    touched[line] = None
+            for line in touched:
+                line.applied()
+
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await self._commands.evalsha(SHAS[name], keys, args)
+        except txredisapi.ScriptDoesNotExist:
+            return await self._commands.eval(SOURCES[name], keys, args)
+
+    def line_call(self, line: SharedSemaphore, script: str, *args: Any) -> Deferred[Any]:
+        """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
+        if self._commands is None:
+            return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
+        keys = [self.key("events"), self.key("seq"), self.key("line", line.key, "waiting")]
+        keys += [self.key("upstream", name, "slots") for name in line.member_names]
+        head = [
+            STREAM_LENGTH,
+            line.key,
+            orjson.dumps(line.member_names).decode(),
+            self.key("lease", ""),
+        ]
+        return ensureDeferred(self._eval(script, keys, [*head, *args]))
+
+
+def _pairs(flat: Sequence[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))

@@ -1,0 +1,637 @@
+"""A line shared by several gateways through Redis: the same line, the same surfaces.
+
+`SharedSemaphore` is a `limiter.PositionedSemaphore` whose state (the fair `line.Line`, the
+replicas' held slots and health, the sessions) is a copy: it changes only by replaying the
+events that the Lua scripts (`scripts`) append to one Redis stream, in the stream's order and
+at the time Redis stamped on each, so every gateway's copy is the same line. A waiter of
+another gateway is a `Remote` in the copy: it counts in every position, it is never told one.
+
+What stays local: the Deferreds of this gateway's waiters, their position reports (the
+limiter's coalescing, unchanged), timers. What goes through Redis: every change. A request
+joins with one script call (`join`: a free slot at once if nobody waits); a free slot is then
+claimed (`grant`) for the waiter that this gateway's copy puts first, by every gateway that
+sees it free: Redis takes the first claim and refuses the rest, so the cap holds whoever
+claims, and a waiter whose gateway is slow or dead is still served in its turn. A slot given
+back (`release`), a waiter that gives up (`leave`), a replica's verdict or probe (`note`) are
+events like the others.
+
+While Redis cannot be reached (`lost`) nothing can be granted without risking the cap: this
+gateway's waiters get 529 with retry-after, new requests too, and requests holding a slot run
+to their end; their releases are sent when Redis is back. Then `rebuild` makes the copy anew
+from a snapshot; a running slot Redis no longer knows (it lost its data) is counted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from homelab_gateway.cluster import Cluster
+from homelab_gateway.limiter import (
+    ANONYMOUS,
+    NORMAL,
+    ClientQueueFull,
+    PositionedSemaphore,
+    PositionListener,
+    QueueFull,
+    Replica,
+    Slot,
+    Unavailable,
+    _Want,
+)
+from homelab_gateway.line import Grant, Line
+from homelab_gateway.replicas import UP, choose
+
+log = Logger()
+CLAIM_RETRY = 0.2
+"""After a refused claim (another gateway's claim won, or this copy was a step behind), look
+again this much later at the latest: the event that explains the refusal usually comes first."""
+
+
+class Remote:
+    """A waiter of another gateway, in this gateway's copy of the line."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: str) -> None:
+        self.id = id
+
+    def __repr__(self) -> str:
+        return f"Remote({self.id!r})"
+
+
+class SharedClock:
+    """The reactor's clock, set to Redis's: events are stamped by Redis, and the line compares
+    those stamps with `seconds()` (ageing, hold times, estimates)."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.reactor = reactor
+        self.offset = 0.0
+
+    def seconds(self) -> float:
+        return self.reactor.seconds() + self.offset
+
+    def callLater(self, delay: float, f: Any, *args: Any, **kwargs: Any) -> IDelayedCall:
+        return self.reactor.callLater(delay, f, *args, **kwargs)
+
+    def getDelayedCalls(self) -> Any:
+        return self.reactor.getDelayedCalls()
+
+
+@dataclass(slots=True)
+class _Request:
+    """What this gateway knows of one of its waiters, from its `acquire_in_line`."""
+
+    client: str
+    rank: int
+    want: _Want | None
+    first: bool
+    listener: PositionListener | None
+
+    def info(self) -> bytes:
+        want = self.want
+        fields: dict[str, Any] = {"c": self.client, "k": self.rank}
+        if want is not None:
+            if want.among is not None:
+                fields["a"] = sorted(m.name for m in want.among)
+            if want.avoid:
+                fields["v"] = sorted(m.name for m in want.avoid)
+            if want.session is not None:
+                fields["s"] = want.session
+        if self.first:
+            fields["f"] = 1
+        return orjson.dumps(fields)
+
+
+class SharedSemaphore(PositionedSemaphore):
+    """The slots of `members` and their line, shared with every gateway of `cluster`."""
+
+    def __init__(
+        self, tokens: Sequence[Replica], reactor: Any, *, cluster: Cluster, **settings: Any
+    ) -> None:
+        super().__init__(tokens, SharedClock(reactor), **settings)
+        self.reactor = reactor
+        self.cluster = cluster
+        self.member_names = sorted(m.name for m in self.members)
+        self.key = "+".join(self.member_names)  # the same on every gateway, whatever the order
+        self._local: dict[str, Deferred[Slot]] = {}  # this gateway's waiters, until granted
+        self._requests: dict[str, _Request] = {}
+        self._cancelled: set[str] = set()  # this gateway's, given up: their leave is on its way
+        self._items: dict[str, Any] = {}  # every waiter in the copy, by id
+        self._ids: dict[Any, str] = {}  # and back (this gateway's from their acquire on)
+        self._slots: dict[str, Slot] = {}  # every slot taken, by id
+        self._mine: dict[str, Slot] = {}  # those this gateway's requests hold
+        self._claiming: set[str] = set()
+        self._look_again: IDelayedCall | None = None
+        self._replaying = False
+        cluster.lines[self.key] = self
+
+    def _ours(self, w: str) -> bool:
+        return w.startswith(self.cluster.instance + "/")
+
+    def _member(self, name: str) -> Replica | None:
+        return next((m for m in self.members if m.name == name), None)
+
+    # -- this gateway's requests ---------------------------------------------------------------
+
+    def acquire_in_line(
+        self,
+        on_position: PositionListener | None = None,
+        *,
+        client: str = ANONYMOUS,
+        rank: int = NORMAL,
+        among: frozenset[Replica] | None = None,
+        avoid: frozenset[Replica] = frozenset(),
+        session: str | None = None,
+        first: bool = False,
+    ) -> Deferred[Slot]:
+        """As `PositionedSemaphore.acquire_in_line`; the slot or the place comes back from
+        Redis. Raises Unavailable while Redis cannot be reached."""
+        if not self.cluster.live:
+            raise Unavailable(f"the shared line is unreachable: {self.cluster.last_error}")
+        if among is not None and len(among) == len(self.members):
+            among = None
+        want = _Want(among, avoid, session) if among or avoid or session else None
+        if not first:
+            if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
+                raise QueueFull()
+            limit = self.max_waiting.get(client)
+            if limit is not None and self.line.waiting_for(client) >= limit:
+                raise ClientQueueFull(client, limit)
+        return self._ask(_Request(client, rank, want, first, on_position))
+
+    def _ask(
+        self,
+        request: _Request,
+        arrived: float | None = None,
+        d: Deferred[Slot] | None = None,
+    ) -> Deferred[Slot]:
+        """Join the shared line with `request` (under a new id); `arrived` and `d` for a
+        waiter a reload moves here from another line, with its place in time."""
+        if d is None:
+            d = Deferred(canceller=self._cancelAcquire)
+            if request.listener is not None:
+                d.addBoth(self._leave_line, d)
+        w = self.cluster.new_id()
+        self._local[w] = d
+        self._ids[d] = w
+        self._requests[w] = request
+        prefs = self._preferences(request.want, self.clock.seconds())
+        self.cluster.line_call(
+            self,
+            "join",
+            w,
+            request.info(),
+            "" if arrived is None else repr(arrived),
+            orjson.dumps(prefs),
+        ).addErrback(self._not_asked, w)
+        return d
+
+    def _not_asked(self, failure: Failure, w: str) -> None:
+        d = self._local.pop(w, None)
+        if d is not None and not d.called:
+            d.errback(Unavailable(f"the shared line is unreachable: {failure.getErrorMessage()}"))
+
+    def _preferences(self, want: _Want | None, now: float) -> list[Any]:
+        """The replicas a waiter may start on now, best first, as [name, slots, ...]."""
+        candidates = self._open_for(want, now)
+        if not candidates:
+            return []
+        best = choose(candidates, self.sessions.get(want and want.session), self._turn)
+        self._turn += 1
+        others = sorted((m for m in candidates if m is not best), key=lambda m: -m.free)
+        return [x for m in (best, *others) for x in (m.name, m.limit)]
+
+    def _cancelAcquire(self, d: Deferred[Slot]) -> None:  # type: ignore[override]
+        moved = self._moved.get(d)
+        if moved is not None:
+            moved._cancelAcquire(d)
+            return
+        w = self._ids.get(d)
+        if w is None:
+            return
+        self._give_up(w)
+
+    def _give_up(self, w: str) -> None:
+        """This gateway's waiter `w` leaves; the copy drops it when the leave comes back (a
+        slot granted meanwhile is given back at once)."""
+        d = self._local.pop(w, None)
+        self._cancelled.add(w)
+        self._requests.pop(w, None)
+        if d is not None and self._items.get(w) is not d:
+            self._ids.pop(d, None)
+        self.cluster.line_call(self, "leave", w).addErrback(lambda _: None)
+
+    def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
+        moved = self._moved.get(d)
+        if moved is not None:
+            return moved._leave_line(result, d)
+        listener = self._listeners.pop(d, None)
+        last = self._reported.pop(d, None)
+        if listener is not None and last != 1 and isinstance(result, Slot):
+            listener(1)
+            self.reports += 1
+        return result
+
+    def _released(self, slot: Slot) -> None:
+        held = self.clock.seconds() - slot.granted_at
+        if slot.on_release is not None:
+            slot.on_release(held)
+        self._mine.pop(slot.id, None)
+        args = (slot.replica.name, "1" if slot.trial and not slot.judged else "")
+        if not self.cluster.live:
+            self.cluster.unsent[(self.key, slot.id)] = args
+            self._drop_slot(slot.id)
+            self._count()
+            return
+
+        def unsent(failure: Failure) -> None:
+            self.cluster.unsent[(self.key, slot.id)] = args
+
+        self.cluster.line_call(self, "release", slot.id, *args).addErrback(unsent)
+
+    def _judged(self, slot: Slot, failure: str | None) -> None:
+        circuit = slot.replica.circuit
+        if failure is None and circuit.state == UP and not circuit.failures:
+            return  # nothing for anyone to change
+        if not self.cluster.live:
+            super()._judged(slot, failure)
+            return
+        event: dict[str, Any] = {"op": "verdict", "r": slot.replica.name}
+        if failure is not None:
+            event["why"] = failure
+        self.cluster.line_call(self, "note", orjson.dumps(event)).addErrback(lambda _: None)
+
+    def recovered(self, replica: Replica) -> None:
+        if replica.circuit.state == UP:
+            return
+        if not self.cluster.live:
+            super().recovered(replica)
+            return
+        event = orjson.dumps({"op": "probed", "r": replica.name})
+        self.cluster.line_call(self, "note", event).addErrback(lambda _: None)
+
+    def fail_waiting(self, reason: Exception) -> None:
+        """This gateway's waiters fail with `reason` (shutdown) and leave the shared line."""
+        for w, d in list(self._local.items()):
+            self._give_up(w)
+            if not d.called:
+                d.errback(reason)
+
+    # -- claims --------------------------------------------------------------------------------
+
+    def _hand_over(self) -> bool:
+        """Slots are granted by Redis: claim what this copy shows free (after a batch of
+        events, not in its middle). Never moves anyone itself."""
+        if not self._replaying:
+            self._claim()
+        return False
+
+    def _claim(self) -> None:
+        if not self.cluster.live or not self.waiting:
+            return
+        now = self.clock.seconds()
+        budget = {m: m.free for m in self.members if m.open_at(now)}
+        spare = sum(budget.values()) - len(self._claiming)
+        if spare <= 0:
+            return
+        for item in self._order(now):
+            w = self._ids[item]
+            if w in self._claiming:
+                continue
+            want = self._wants.get(item)
+            candidates = [m for m in self._open_for(want, now) if budget[m] > 0]
+            if not candidates:
+                continue
+            prefs = self._preferences(
+                _Want(frozenset(candidates), session=want and want.session), now
+            )
+            budget[self._member(prefs[0])] -= 1  # type: ignore[index]
+            spare -= 1
+            self._claiming.add(w)
+            self.cluster.line_call(self, "grant", w, orjson.dumps(prefs)).addBoth(self._claimed, w)
+            if spare <= 0:
+                return
+
+    def _claimed(self, result: object, w: str) -> None:
+        self._claiming.discard(w)
+        if (result is None or isinstance(result, Failure)) and self._look_again is None:
+            self._look_again = self.reactor.callLater(CLAIM_RETRY, self._again)
+
+    def _again(self) -> None:
+        self._look_again = None
+        self._claim()
+
+    # -- replaying the stream ------------------------------------------------------------------
+
+    def apply(self, event: Mapping[str, Any]) -> None:
+        """One event of the stream, in its order."""
+        self._replaying = True
+        handler = getattr(self, "_on_" + event["op"], None)
+        if handler is not None:
+            handler(event, float(event["t"]))
+
+    def applied(self) -> None:
+        """The end of a batch of events: claim what is free now."""
+        self._replaying = False
+        self._count()
+        self._claim()
+
+    def _want_of(self, info: Mapping[str, Any]) -> _Want | None:
+        names = info.get("a")
+        among = None if names is None else frozenset(m for m in self.members if m.name in names)
+        if among is not None and len(among) == len(self.members):
+            among = None
+        avoid = frozenset(m for m in self.members if m.name in info.get("v", ()))
+        session = info.get("s")
+        if among is None and not avoid and session is None:
+            return None
+        return _Want(among, avoid, session)
+
+    def _on_join(self, event: Mapping[str, Any], t: float) -> None:
+        w = event["w"]
+        info = orjson.loads(event["i"])
+        item: Any = self._local.get(w) or Remote(w)
+        self._items[w] = item
+        self._ids[item] = w
+        first = bool(info.get("f"))
+        self._enqueue(item, info["c"], info["k"], float(event["a"]), self._want_of(info), first)
+        request = self._requests.get(w)
+        if request is not None and request.listener is not None:
+            self._listeners[item] = request.listener
+            self._reported[item] = 0
+        if item in self._listeners and self.line.queues == 1 and not self._first:
+            self._tell(item, len(self.line))  # a plain FIFO: the newcomer is its tail
+        elif item in self._listeners or (self._listeners and (self._first or self.line.queues > 1)):
+            self._place(item, t)
+        self._watch_aging(t)
+
+    def _on_admit(self, event: Mapping[str, Any], t: float) -> None:
+        info = orjson.loads(event["i"])
+        grant = self.line.admit(info["c"], info["k"], t)
+        self._hold(event["w"], event["r"], grant, t, info)
+        if self.line.charging_moves(info["c"]):
+            self._tell_rises(t)
+            self._changed()
+
+    def _on_grant(self, event: Mapping[str, Any], t: float) -> None:
+        w = event["w"]
+        info = orjson.loads(event["i"])
+        item = self._items.pop(w, None)
+        moved = False
+        if item is None:  # not in this copy (it cannot be, but the slot must count)
+            grant = self.line.admit(info["c"], info["k"], t)
+        elif item in self._retrying:
+            self._first.remove(item)
+            client, rank = self._retrying.pop(item)
+            grant = self.line.admit(client, rank, t)
+            moved = self.line.charging_moves(client)
+        else:
+            want = self._wants.get(item)
+            if want is not None and want.choosy:
+                self._choosy -= 1
+            if next(iter(self.line.order(t))) is item:
+                popped = self.line.pop(t)
+                assert popped is not None
+                grant = popped[1]
+            else:
+                grant, moved = self.line.take(item, t)
+        if item is not None:
+            self._ids.pop(item, None)
+            self._wants.pop(item, None)
+            self._remove_waiting(item)
+        self._hold(w, event["r"], grant, t, info)
+        if moved:
+            self._tell_rises(t)
+        self._changed()
+
+    def _hold(
+        self, w: str, replica_name: str, grant: Grant, t: float, info: Mapping[str, Any]
+    ) -> None:
+        replica = self._member(replica_name)
+        if replica is None:
+            return  # an upstream this gateway does not have in this line
+        slot = Slot(self, grant, t, replica, id=w)
+        replica.held += 1
+        slot.trial = replica.circuit.begin()
+        self.sessions.served(info.get("s"), replica.name)
+        self._slots[w] = slot
+        self._holding[slot] = None
+        self._count()
+        if not self._ours(w):
+            return
+        self._mine[w] = slot
+        self._requests.pop(w, None)
+        d = self._local.pop(w, None)
+        if d is None or d.called:  # it gave up meanwhile: the slot goes straight back
+            self._cancelled.discard(w)
+            slot.release()
+            return
+        d.callback(slot)
+
+    def _on_release(self, event: Mapping[str, Any], t: float) -> None:
+        w = event["w"]
+        slot = self._slots.get(w)
+        if slot is None:
+            return
+        if w in self._mine:  # swept while this gateway's request runs: count it again
+            self._restore(slot)
+            return
+        reordered = self.line.settle(slot.grant, t - slot.granted_at)
+        self.holds.add(t - slot.granted_at)
+        if event.get("x"):
+            slot.replica.circuit.abandoned()
+        self._drop_slot(w)
+        if reordered:
+            self._tell_rises(t)
+        self._changed()
+
+    def _drop_slot(self, w: str) -> None:
+        slot = self._slots.pop(w, None)
+        if slot is not None:
+            self._holding.pop(slot, None)
+            slot.replica.held -= 1
+
+    def _restore(self, slot: Slot) -> None:
+        info = orjson.dumps({"c": slot.grant.client, "k": slot.grant.rank})
+        self.cluster.line_call(
+            self, "restore", slot.id, slot.replica.name, repr(slot.granted_at), info
+        ).addErrback(lambda _: None)
+
+    def _on_restore(self, event: Mapping[str, Any], t: float) -> None:
+        w = event["w"]
+        if w in self._slots:
+            return
+        info = orjson.loads(event["i"])
+        replica = self._member(event["r"])
+        if replica is None:
+            return
+        slot = Slot(self, Grant(info["c"], info["k"], 0.0), float(event["g"]), replica, id=w)
+        replica.held += 1
+        self._slots[w] = slot
+        self._holding[slot] = None
+
+    def _on_leave(self, event: Mapping[str, Any], t: float) -> None:
+        w = event["w"]
+        item = self._items.pop(w, None)
+        if item is None:
+            return
+        self._ids.pop(item, None)
+        self._cancelled.discard(w)
+        reordered = self._dequeue(item)
+        d = self._local.pop(w, None)
+        if d is not None and not d.called:  # swept: Redis took this gateway for dead
+            self._requests.pop(w, None)
+            d.errback(Unavailable("this gateway's lease on the shared line expired"))
+        if reordered:
+            self._tell_rises(t)
+        self._changed()
+
+    def _on_verdict(self, event: Mapping[str, Any], t: float) -> None:
+        replica = self._member(event["r"])
+        if replica is None:
+            return
+        reason = event.get("why")
+        if reason is None:
+            change = replica.circuit.succeeded()
+        else:
+            change = replica.circuit.failed(t, reason)
+        if change is not None:
+            self._health_changed(replica, change, reason)
+
+    def _on_probed(self, event: Mapping[str, Any], t: float) -> None:
+        replica = self._member(event["r"])
+        if replica is not None:
+            change = replica.circuit.probed()
+            if change is not None:
+                self._health_changed(replica, change, None)
+
+    def _on_idle(self, event: Mapping[str, Any], t: float) -> None:
+        """Nobody waits and no slot is held: every gateway starts the fair share afresh here,
+        so one that joined later (with no history) has the same line from now on."""
+        if not self.waiting and not self._slots:
+            self.line = Line(aging=self.line.aging, weights=self.line.weights)
+
+    # -- losing Redis and coming back ----------------------------------------------------------
+
+    def _forget_copy(self) -> None:
+        self._replaying = False
+        self.line = Line(aging=self.line.aging, weights=self.line.weights)
+        self.waiting = []
+        self._first.clear()
+        self._retrying.clear()
+        self._wants.clear()
+        self._choosy = 0
+        self._items.clear()
+        self._ids = {d: w for w, d in self._local.items()}
+        self._claiming.clear()
+        self._slots = dict(self._mine)
+        self._holding = {slot: None for slot in self._mine.values()}
+        for member in self.members:
+            member.held = sum(1 for slot in self._mine.values() if slot.replica is member)
+
+    def lost(self) -> None:
+        """Redis is out of reach: this gateway's waiters get 529; its running requests keep
+        their slots and run on; the copy keeps only those."""
+        local, self._local = self._local, {}
+        self._requests.clear()
+        self._cancelled.clear()
+        self._forget_copy()
+        self._count()
+        for d in local.values():
+            if not d.called:
+                d.errback(Unavailable("lost the shared line"))
+
+    def rebuild(
+        self, now: float, waiting: Mapping[str, str], slots: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        """Make the copy anew from a snapshot taken at Redis time `now`. Fair-share history
+        starts afresh (until the line is next idle, this copy may order clients differently
+        from the others': claims stay safe, Redis takes one per slot)."""
+        self.clock.offset = now - self.reactor.seconds()
+        self._forget_copy()
+        for member in self.members:
+            member.held = 0
+        self._slots.clear()
+        self._holding.clear()
+        for name, entries in slots.items():
+            replica = self._member(name)
+            if replica is None:
+                continue
+            for w, raw in entries.items():
+                entry = orjson.loads(raw)
+                slot = self._mine.get(w)
+                if slot is None:
+                    info = orjson.loads(entry["i"])
+                    grant = Grant(info["c"], info["k"], 0.0)
+                    slot = Slot(self, grant, float(entry["t"]), replica, id=w)
+                self._slots[w] = slot
+                self._holding[slot] = None
+                replica.held += 1
+                if self._ours(w) and w not in self._mine:
+                    d = self._local.pop(w, None)
+                    if d is not None and not d.called:  # admitted just before the snapshot
+                        self._mine[w] = slot
+                        self._requests.pop(w, None)
+                        d.callback(slot)
+                    else:
+                        self._mine[w] = slot
+                        slot.release()
+        for w, slot in self._mine.items():
+            if w not in self._slots:  # Redis lost it while its request runs
+                self._slots[w] = slot
+                self._holding[slot] = None
+                slot.replica.held += 1
+                self._restore(slot)
+        arrivals = sorted(waiting.items(), key=lambda kv: float(orjson.loads(kv[1])["a"]))
+        for w, raw in arrivals:
+            entry = orjson.loads(raw)
+            if self._ours(w) and w not in self._local:
+                self.cluster.line_call(self, "leave", w).addErrback(lambda _: None)
+            self._on_join({"w": w, "i": entry["i"], "a": entry["a"]}, now)
+        self._count()
+        self._tell_all(now)
+
+    def _tell_all(self, now: float) -> None:
+        for position, d in enumerate(self._order(now), start=1):
+            if d in self._listeners and self._reported.get(d) != position:
+                self._tell(d, position)
+
+    def adopt(self, old: PositionedSemaphore) -> None:
+        """A reload gave a model more replicas: this gateway's waiters of `old` whose replicas
+        are now this line's leave `old` and join this one, keeping their arrival time."""
+        assert isinstance(old, SharedSemaphore)
+        for w, d in list(old._local.items()):
+            request = old._requests.get(w)
+            if request is None or d.called:
+                continue
+            want = request.want or _Want()
+            among = frozenset(self.members) if want.among is None else want.among
+            among = among.intersection(self.members)
+            if not among:
+                continue
+            item = old._items.get(w)
+            arrived = old.line.arrived(item)[2] if item in old.line else None
+            old._give_up(w)
+            old._moved[d] = self
+            d.addBoth(self._forget_move, old, d)
+            restricted = among if len(among) < len(self.members) else None
+            moved = _Want(restricted, want.avoid, want.session)
+            request.want = moved if moved != _Want() else None
+            self._ask(request, arrived, d)
+        old.members = [m for m in old.members if m.group is old]
+        old._count()
+        self.refresh()
+
+    def close(self) -> None:
+        super().close()
+        if self._look_again is not None and self._look_again.active():
+            self._look_again.cancel()
+        self._look_again = None
