@@ -181,7 +181,7 @@ class Cluster:
         """The lease could not be renewed: the link is down; the reader's end makes it so."""
         self.last_error = failure.getErrorMessage()
         if self._reader is not None:
-            self._reader.transport.abortConnection()
+            self._reader.disconnect()
 
     def _set_lost(self) -> None:
         if self._renewal is not None and self._renewal.running:

@@ -1,0 +1,311 @@
+"""The line's contract, held by both of its implementations: in process
+(`limiter.PositionedSemaphore`, one gateway) and shared through a real Redis
+(`shared.SharedSemaphore`, here three gateways' copies in this process, each with its own
+`Cluster`, its own connections and its own instance id). Then what only the shared line has:
+a gateway that dies, one that stops cleanly, Redis going away and coming back empty."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.cluster import Cluster
+from homelab_gateway.config import ClusterConfig
+from homelab_gateway.limiter import PositionedSemaphore, Replica, Slot, Unavailable
+from homelab_gateway.line import CLASS_RANK
+from homelab_gateway.shared import SharedSemaphore
+from tests.helpers import PATIENCE, wait_for
+from tests.redis_server import RedisServer
+from tests.test_proxy import async_test
+
+REPORT = 0.05  # position passes in these tests: falls are told this soon
+LEASE = 1.5
+_prefixes = itertools.count()
+
+
+class Waiter:
+    """One request for a slot, with the positions it was told."""
+
+    def __init__(
+        self, line: PositionedSemaphore, name: str, client: str = "c", cls: str = "normal"
+    ) -> None:
+        self.name = name
+        self.positions: list[int] = []
+        self.d: Deferred[Slot] = line.acquire_in_line(
+            self.positions.append, client=client, rank=CLASS_RANK[cls]
+        )
+        self.d.addErrback(self._failed)
+        self.error: Exception | None = None
+
+    def _failed(self, failure: Any) -> None:
+        self.error = failure.value
+
+    @property
+    def slot(self) -> Slot | None:
+        result = getattr(self.d, "result", None)
+        return result if isinstance(result, Slot) else None
+
+
+class InProcess:
+    """One gateway: every 'gateway' of a test is the same in-process line."""
+
+    async def start(self, test: TestCase, gateways: int, slots: int) -> list[PositionedSemaphore]:
+        line = PositionedSemaphore([Replica("vllm", slots)], reactor, report_interval=REPORT)
+        test.addCleanup(line.close)
+        return [line] * gateways
+
+    async def settle(self) -> None:
+        """Nothing to wait for: the in-process line changes synchronously."""
+
+
+class OverRedis:
+    """Several gateways' copies of one line, shared through a real redis-server."""
+
+    redis: RedisServer
+
+    async def start(self, test: TestCase, gateways: int, slots: int) -> list[PositionedSemaphore]:
+        self.redis = RedisServer()
+        self.redis.start()
+        test.addCleanup(self.redis.close)
+        self.prefix = f"t{next(_prefixes)}:"
+        self.clusters: list[Cluster] = []
+        lines: list[PositionedSemaphore] = []
+        for n in range(gateways):
+            lines.append(self.gateway(test, f"gw{n}", slots))
+        await wait_for(lambda: all(c.live for c in self.clusters), what="every gateway linked")
+        return lines
+
+    def gateway(self, test: TestCase, name: str, slots: int) -> SharedSemaphore:
+        config = ClusterConfig(
+            host="127.0.0.1", port=self.redis.port, instance=name, lease=LEASE, prefix=self.prefix
+        )
+        cluster = Cluster(config, reactor)
+        line = SharedSemaphore(
+            [Replica("vllm", slots)], reactor, cluster=cluster, report_interval=REPORT
+        )
+        cluster.start()
+        self.clusters.append(cluster)
+        test.addCleanup(line.close)
+        test.addCleanup(lambda: Deferred.fromCoroutine(cluster.stop()))
+        return line
+
+    async def settle(self) -> None:
+        """Until every copy has replayed every event and no claim is out, twice in a row."""
+        calm = 0
+        while calm < 2:
+            seq = int(await self.clusters[0]._commands.get(self.prefix + "seq") or 0)
+            await wait_for(lambda seq=seq: self._caught_up(seq), what="every copy up to date")
+            again = int(await self.clusters[0]._commands.get(self.prefix + "seq") or 0)
+            calm = calm + 1 if again == seq else 0
+
+    def _caught_up(self, seq: int) -> bool:
+        return all(
+            c._seq >= seq and not any(line._claiming for line in c.lines.values())
+            for c in self.clusters
+            if c.live
+        )
+
+
+class LineContract:
+    """What a demanding user sees of the line, whichever implementation serves it."""
+
+    backend: Any
+
+    def setUp(self) -> None:
+        self.backend = self.backend_type()
+
+    async def line_of(self, gateways: int, slots: int) -> list[PositionedSemaphore]:
+        return await self.backend.start(self, gateways, slots)
+
+    async def queue(
+        self, lines: list[PositionedSemaphore], n: int, name: str = "w", **kw: Any
+    ) -> list[Waiter]:
+        """`n` waiters joining one after another, round the gateways."""
+        waiters = []
+        for i in range(n):
+            waiters.append(Waiter(lines[i % len(lines)], f"{name}{i}", **kw))
+            await self.backend.settle()
+        return waiters
+
+    def granted(self, waiters: list[Waiter]) -> list[str]:
+        return [w.name for w in waiters if w.slot is not None and not w.slot.released]
+
+    @async_test
+    async def test_the_cap_holds_and_one_client_is_served_in_order(self) -> None:
+        lines = await self.line_of(3, 2)
+        waiters = await self.queue(lines, 8)
+        self.assertEqual(self.granted(waiters), ["w0", "w1"])
+        for line in lines:
+            self.assertEqual((line.in_use, len(line.waiting)), (2, 6))
+        self.assertEqual([w.positions for w in waiters[2:]], [[1], [2], [3], [4], [5], [6]])
+        order = []
+        for _ in range(8):
+            first = next(w for w in waiters if w.slot is not None and not w.slot.released)
+            order.append(first.name)
+            first.slot.release()  # type: ignore[union-attr]
+            await self.backend.settle()
+            self.assertLessEqual(len(self.granted(waiters)), 2)
+        self.assertEqual(order, [f"w{i}" for i in range(8)])
+        await wait_for(lambda: all(w.positions[-1] == 1 for w in waiters[2:]))
+        for w in waiters[2:]:
+            self.assertEqual(w.positions, sorted(w.positions, reverse=True), w.name)
+        for line in lines:
+            self.assertEqual((line.in_use, len(line.waiting)), (0, 0))
+
+    @async_test
+    async def test_requests_at_the_same_moment_on_every_gateway_never_pass_the_cap(self) -> None:
+        lines = await self.line_of(3, 2)
+        waiters = [Waiter(lines[i % 3], f"w{i}") for i in range(12)]  # no settling between
+        await self.backend.settle()
+        self.assertEqual(len(self.granted(waiters)), 2)
+        for line in lines:
+            self.assertEqual((line.in_use, len(line.waiting)), (2, 10))
+        for _ in range(5):
+            for slot in [w.slot for w in waiters if w.slot is not None and not w.slot.released]:
+                slot.release()
+            await self.backend.settle()
+            self.assertEqual(len(self.granted(waiters)), 2)
+        positions = sorted(w.positions[0] for w in waiters if w.positions)
+        self.assertEqual(positions, list(range(1, 11)))
+
+    @async_test
+    async def test_a_quiet_client_goes_before_a_busy_clients_backlog(self) -> None:
+        lines = await self.line_of(2, 1)
+        busy = await self.queue(lines, 4, client="busy")
+        quiet = await self.queue(lines[1:], 1, "q", client="quiet")
+        self.assertEqual(quiet[0].positions, [1])
+        busy[0].slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual(self.granted(busy + quiet), ["q0"])
+        quiet[0].slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual(self.granted(busy), ["w1"])
+
+    @async_test
+    async def test_interactive_goes_first(self) -> None:
+        lines = await self.line_of(2, 1)
+        normal = await self.queue(lines, 3)
+        urgent = await self.queue(lines[1:], 1, "u", cls="interactive")
+        self.assertEqual(urgent[0].positions, [1])
+        await wait_for(lambda: normal[2].positions[-1] == 3, what="the last normal moved back")
+        normal[0].slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertIsNotNone(urgent[0].slot)
+
+    @async_test
+    async def test_a_waiter_that_leaves_moves_those_behind_it_up_and_gets_nothing(self) -> None:
+        lines = await self.line_of(2, 1)
+        waiters = await self.queue(lines, 4)
+        waiters[1].d.cancel()
+        self.assertIsInstance(waiters[1].error, CancelledError)
+        await self.backend.settle()
+        for line in lines:
+            self.assertEqual(len(line.waiting), 2)
+        await wait_for(lambda: [w.positions[-1] for w in waiters[2:]] == [1, 2])
+        waiters[0].slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual(self.granted(waiters), ["w2"])
+        self.assertEqual(waiters[1].positions, [1])
+
+
+class InProcessLine(LineContract, TestCase):
+    backend_type = InProcess
+
+
+class SharedLine(LineContract, TestCase):
+    backend_type = OverRedis
+
+
+def cut_off(cluster: Cluster) -> None:
+    """What `kill -9` does to a gateway, as Redis sees it: its connections drop, its lease is
+    never renewed nor deleted."""
+    cluster._running = False
+    if cluster._renewal is not None and cluster._renewal.running:
+        cluster._renewal.stop()
+    for connection in (cluster._reader, cluster._commands):
+        for protocol in connection._factory.pool:
+            protocol.transport.abortConnection()
+
+
+class SharedOnly(TestCase):
+    def setUp(self) -> None:
+        self.backend = OverRedis()
+
+    @async_test
+    async def test_a_dead_gateways_slot_and_waiters_expire_within_the_lease(self) -> None:
+        a, b = await self.backend.start(self, 2, 1)
+        held = Waiter(b, "held")
+        await self.backend.settle()
+        Waiter(b, "b1")
+        await self.backend.settle()
+        behind_a = Waiter(a, "a1")
+        await self.backend.settle()
+        self.assertEqual(behind_a.positions, [2])
+        cut_off(self.backend.clusters[1])
+        await wait_for(lambda: behind_a.slot is not None, timeout=LEASE * 4 + PATIENCE / 4)
+        self.assertEqual((a.in_use, len(a.waiting)), (1, 0))
+        self.assertEqual(behind_a.positions[-1], 1)
+        self.assertIsNotNone(held.slot)
+
+    @async_test
+    async def test_a_clean_stop_gives_its_share_back_at_once(self) -> None:
+        a, b = await self.backend.start(self, 2, 1)
+        held = Waiter(b, "held")
+        await self.backend.settle()
+        behind = Waiter(a, "a1")
+        await self.backend.settle()
+        b.fail_waiting(Unavailable("stopping"))
+        held.slot.release()  # type: ignore[union-attr]
+        started = reactor.seconds()
+        await self.backend.clusters[1].stop()
+        await wait_for(lambda: behind.slot is not None)
+        self.assertLess(reactor.seconds() - started, LEASE)
+
+    @async_test
+    async def test_redis_away_refuses_new_work_keeps_running_slots_and_recovers_empty(
+        self,
+    ) -> None:
+        a, b = await self.backend.start(self, 2, 2)
+        running = Waiter(a, "running")
+        await self.backend.settle()
+        other = Waiter(b, "other")
+        await self.backend.settle()
+        waiting = Waiter(b, "waiting")
+        await self.backend.settle()
+        self.assertEqual(waiting.positions, [1])
+        other.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        late = Waiter(a, "late")
+        await self.backend.settle()
+        self.assertEqual(late.positions, [1])
+
+        self.backend.redis.stop()
+        await wait_for(lambda: not any(c.live for c in self.backend.clusters), what="lost")
+        self.assertIsInstance(late.error, Unavailable)
+        self.assertIsNotNone(running.slot)
+        self.assertFalse(running.slot.released)  # type: ignore[union-attr]
+        with self.assertRaises(Unavailable):
+            a.acquire_in_line(client="c")
+        self.assertEqual((a.in_use, b.in_use), (1, 1))  # each copy: its own running slots
+
+        self.backend.redis.start()  # on the same port, with none of its data
+        await wait_for(lambda: all(c.live for c in self.backend.clusters), what="relinked")
+        await self.backend.settle()
+        self.assertEqual((a.in_use, b.in_use), (2, 2))  # both counted again, by everyone
+        newcomer = Waiter(a, "newcomer")
+        await self.backend.settle()
+        self.assertEqual(newcomer.positions, [1])
+        running.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertIsNotNone(newcomer.slot)
+        for w in (waiting, newcomer):
+            w.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual((a.in_use, b.in_use), (0, 0))
+        for name in ("vllm",):
+            key = f"{self.backend.prefix}upstream:{name}:slots"
+            self.assertEqual(await self.backend.clusters[0]._commands.hlen(key), 0)
