@@ -1,0 +1,173 @@
+"""Two real gateway processes (`twistd homelab-gateway`) sharing one real redis-server and one
+stub upstream with 2 slots: the cap is the cluster's, the line is one, and a gateway killed
+with SIGKILL loses nothing for the other."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.processes import Process, start_gateway, start_stub, wait_until
+from tests.redis_server import RedisServer
+
+LEASE = 2
+
+
+def config(stub_url: str, redis_url: str, instance: str) -> str:
+    return f"""
+[upstreams.vllm]
+url = "{stub_url}"
+slots = 2
+
+[models.reasoning]
+upstream = "vllm"
+
+[cluster]
+redis_url = "{redis_url}"
+instance = "{instance}"
+lease = {LEASE}
+"""
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+class Stream(threading.Thread):
+    """One streaming request read to its end on a thread: its status, its queue positions and
+    whether the answer ended with message_stop."""
+
+    def __init__(self, gateway: str, prompt: str) -> None:
+        super().__init__(daemon=True)
+        self.gateway, self.prompt = gateway, prompt
+        self.status: int | None = None
+        self.positions: list[int] = []
+        self.events: list[str] = []
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        body = {
+            "model": "reasoning",
+            "max_tokens": 64,
+            "stream": True,
+            "messages": [{"role": "user", "content": self.prompt}],
+        }
+        request = urllib.request.Request(
+            self.gateway + "/llm/v1/messages",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                self.status = response.status
+                event = None
+                for raw in response:
+                    line = raw.decode().rstrip("\n")
+                    if line.startswith("event: "):
+                        event = line[7:]
+                        self.events.append(event)
+                    elif line.startswith("data: ") and event == "queue":
+                        self.positions.append(json.loads(line[6:])["position"])
+        except Exception as e:
+            self.error = e
+
+    @property
+    def completed(self) -> bool:
+        return self.status == 200 and self.events[-1:] == ["message_stop"]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    redis = RedisServer()
+    redis.start()
+    stub, stub_url = start_stub(
+        tmp_path, "--delay", "0.02", "--content-tokens", "30", "--log", str(tmp_path / "stub.log")
+    )
+    gateways: list[Process] = []
+    urls = []
+    for name in ("gw-a", "gw-b"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        process, url = start_gateway(cwd, config(stub_url, redis.url, name))
+        gateways.append(process)
+        urls.append(url)
+    wait_until(lambda: all(get(u + "/llm/v1/status")["cluster"]["redis"] == "up" for u in urls))
+    yield {"urls": urls, "gateways": gateways, "stub": stub, "stub_url": stub_url, "redis": redis}
+    for process in gateways:
+        if process.popen.poll() is None:
+            assert process.stopped_cleanly(), process.all_output()
+    stub.stop()
+    redis.close()
+
+
+def stub_stats(stub_url: str) -> dict[str, Any]:
+    return get(stub_url.removesuffix("/v1") + "/stub/status")
+
+
+def waiting(url: str) -> int:
+    return int(get(url + "/llm/v1/status")["upstreams"]["vllm"]["waiting"])
+
+
+def test_twenty_streams_over_two_gateways_never_pass_two_slots_and_wait_in_one_line(
+    cluster: dict[str, Any],
+) -> None:
+    a, b = cluster["urls"]
+    streams = [Stream((a, b)[i % 2], f"hello {i}") for i in range(20)]
+    for stream in streams:
+        stream.join(120)
+    assert all(s.completed for s in streams), [(s.status, s.events[-1:], s.error) for s in streams]
+    stats = stub_stats(cluster["stub_url"])
+    assert stats["max_in_flight"] <= 2, stats
+    assert stats["completed"] == 20, stats
+    for stream in streams:  # one client, one class: a FIFO, so a position only falls
+        assert stream.positions == sorted(stream.positions, reverse=True), stream.positions
+        if stream.positions:
+            assert stream.positions[-1] == 1, stream.positions
+    first = sorted(s.positions[0] for s in streams if s.positions)
+    # Positions count the waiters of both gateways: one gateway alone never had 10 waiting.
+    assert first[-1] > 10, first
+    assert len(set(first)) == len(first), first
+    for url in (a, b):
+        upstream = get(url + "/llm/v1/status")["upstreams"]["vllm"]
+        assert (upstream["in_use"], upstream["waiting"]) == (0, 0)
+
+
+def test_a_gateway_killed_with_slots_and_waiters_frees_them_within_the_lease(
+    cluster: dict[str, Any],
+) -> None:
+    a, b = cluster["urls"]
+    stub_url, dead = cluster["stub_url"], cluster["gateways"][1]
+    # Both slots held by gateway b's streams, which stall until their client leaves.
+    holders = [Stream(b, "stall"), Stream(b, "stall")]
+    wait_until(lambda: stub_stats(stub_url)["in_flight"] == 2)
+    doomed = [Stream(b, "hello b1"), Stream(b, "hello b2")]
+    wait_until(lambda: waiting(a) == 2)
+    behind = [Stream(a, "hello a1"), Stream(a, "hello a2")]
+    wait_until(lambda: waiting(a) == 4)
+    dead.signal(signal.SIGKILL)
+    dead.popen.wait(10)
+    killed = time.monotonic()
+    # The stub sees the dead gateway's requests end (their connections closed with the
+    # process), and once its lease expires the survivor's waiters take both slots.
+    wait_until(lambda: stub_stats(stub_url)["cancelled"] == 2)
+    for stream in behind:
+        stream.join(LEASE + 30)
+        assert stream.completed, (stream.status, stream.events[-3:], stream.error)
+    assert time.monotonic() - killed < LEASE + 20  # the lease, not a request timeout
+    for stream in (*holders, *doomed):
+        stream.join(10)
+        assert not stream.completed
+    wait_until(lambda: waiting(a) == 0)
+    stats = stub_stats(stub_url)
+    assert stats["max_in_flight"] <= 2, stats
+    assert stats["completed"] == 2, stats
