@@ -140,6 +140,8 @@ def test_twenty_streams_over_two_gateways_never_pass_two_slots_and_wait_in_one_l
     for url in (a, b):
         upstream = get(url + "/llm/v1/status")["upstreams"]["vllm"]
         assert (upstream["in_use"], upstream["waiting"]) == (0, 0)
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            assert "homelab_gateway_cluster_up 1.0" in response.read().decode()
 
 
 def test_a_gateway_killed_with_slots_and_waiters_frees_them_within_the_lease(

@@ -55,6 +55,10 @@ def config_changes(old: Config, new: Config) -> list[str]:
     )
     if old.queue.aging != new.queue.aging:
         changes.append(f"queue.aging: {_show(old.queue.aging)} -> {_show(new.queue.aging)}")
+    if old.cluster != new.cluster:
+        # Joining, leaving or moving to another Redis changes who the cap is shared with: a
+        # restart, so no slot is counted in two places.
+        changes.append("cluster: changed (applies at the next restart)")
     changes += _table_changes(
         "route",
         {r.prefix: r for r in old.routes},

@@ -86,7 +86,7 @@ class Gateway:
         self.cluster = Cluster(config.cluster, reactor) if config.cluster is not None else None
         self._sync_pools(None, config)
         self.models.update(config.models)
-        self.telemetry = Telemetry(reactor, self.pools)
+        self.telemetry = Telemetry(reactor, self.pools, self.cluster)
         self.inflight = InFlight(reactor, self.telemetry)
         self.readiness = Readiness(
             self.pools, reactor, config.server.probe_interval, models=self.models

@@ -80,8 +80,9 @@ class RequestRecord:
 
 
 class _SlotCollector(Collector):
-    def __init__(self, pools: Mapping[str, Pool]) -> None:
+    def __init__(self, pools: Mapping[str, Pool], cluster: Any = None) -> None:
         self._pools = pools
+        self._cluster = cluster
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         slots = GaugeMetricFamily("homelab_gateway_slots", "Configured slots", labels=["upstream"])
@@ -124,7 +125,16 @@ class _SlotCollector(Collector):
                 clients[label] = clients.get(label, 0) + count
             for label, count in clients.items():
                 by_client.add_metric([name, label], count)
-        return [slots, in_use, up, waiting, by_class, by_client]
+        families = [slots, in_use, up, waiting, by_class, by_client]
+        if self._cluster is not None:
+            linked = GaugeMetricFamily(
+                "homelab_gateway_cluster_up",
+                "1 while the Redis the lines are shared through is reachable; 0: new requests "
+                "get 529",
+            )
+            linked.add_metric([], 1 if self._cluster.live else 0)
+            families.append(linked)
+        return families
 
 
 class Telemetry:
@@ -133,7 +143,7 @@ class Telemetry:
     moment each ended. Both are kept in O(1) per request whether or not a page is open;
     `on_change`, if set, is told of every start and finish (the page's push)."""
 
-    def __init__(self, clock: IReactorTime, pools: Mapping[str, Pool]) -> None:
+    def __init__(self, clock: IReactorTime, pools: Mapping[str, Pool], cluster: Any = None) -> None:
         self.clock = clock
         self.active: dict[int, RequestRecord] = {}
         self.recent: deque[tuple[RequestRecord, float]] = deque(maxlen=RECENT)
@@ -143,7 +153,7 @@ class Telemetry:
         # configured names and fixed words, never a client's string), and never removed.
         self._children: dict[tuple[object, tuple[Any, ...]], Any] = {}
         self.registry = CollectorRegistry()
-        self.registry.register(_SlotCollector(pools))
+        self.registry.register(_SlotCollector(pools, cluster))
         self.requests = Counter(
             "homelab_gateway_requests",
             "Finished requests",
