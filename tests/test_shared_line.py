@@ -13,7 +13,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.cluster import Cluster
+from homelab_gateway.cluster import SETTLE, Cluster
 from homelab_gateway.config import ClusterConfig
 from homelab_gateway.limiter import PositionedSemaphore, Replica, Slot, Unavailable
 from homelab_gateway.line import CLASS_RANK
@@ -67,7 +67,9 @@ class OverRedis:
 
     redis: RedisServer
 
-    async def start(self, test: TestCase, gateways: int, slots: int) -> list[PositionedSemaphore]:
+    async def start(
+        self, test: TestCase, gateways: int, slots: int, share: float = 0.0
+    ) -> list[PositionedSemaphore]:
         self.redis = RedisServer()
         self.redis.start()
         test.addCleanup(self.redis.close)
@@ -75,13 +77,18 @@ class OverRedis:
         self.clusters: list[Cluster] = []
         lines: list[PositionedSemaphore] = []
         for n in range(gateways):
-            lines.append(self.gateway(test, f"gw{n}", slots))
+            lines.append(self.gateway(test, f"gw{n}", slots, share))
         await wait_for(lambda: all(c.live for c in self.clusters), what="every gateway linked")
         return lines
 
-    def gateway(self, test: TestCase, name: str, slots: int) -> SharedSemaphore:
+    def gateway(self, test: TestCase, name: str, slots: int, share: float) -> SharedSemaphore:
         config = ClusterConfig(
-            host="127.0.0.1", port=self.redis.port, instance=name, lease=LEASE, prefix=self.prefix
+            host="127.0.0.1",
+            port=self.redis.port,
+            instance=name,
+            lease=LEASE,
+            prefix=self.prefix,
+            fallback_share=share,
         )
         cluster = Cluster(config, reactor)
         line = SharedSemaphore(
@@ -300,8 +307,8 @@ class SharedOnly(TestCase):
         await self.backend.settle()
         self.assertEqual(newcomer.positions, [1])
         running.slot.release()  # type: ignore[union-attr]
-        await self.backend.settle()
-        self.assertIsNotNone(newcomer.slot)
+        # No grant until every gateway could count its running requests again (SETTLE).
+        await wait_for(lambda: newcomer.slot is not None, timeout=SETTLE + PATIENCE)
         for w in (waiting, newcomer):
             w.slot.release()  # type: ignore[union-attr]
         await self.backend.settle()
@@ -309,3 +316,54 @@ class SharedOnly(TestCase):
         for name in ("vllm",):
             key = f"{self.backend.prefix}upstream:{name}:slots"
             self.assertEqual(await self.backend.clusters[0]._commands.hlen(key), 0)
+
+    @async_test
+    async def test_a_fallback_share_keeps_each_gateway_serving_its_part_while_redis_is_away(
+        self,
+    ) -> None:
+        a, b = await self.backend.start(self, 2, 2, share=0.5)
+        run_a = Waiter(a, "run_a")
+        await self.backend.settle()
+        run_b = Waiter(b, "run_b")
+        await self.backend.settle()
+        wait_a = Waiter(a, "wait_a")
+        await self.backend.settle()
+        wait_b = Waiter(b, "wait_b")
+        await self.backend.settle()
+        self.assertEqual((wait_a.positions, wait_b.positions), ([1], [2]))
+
+        self.backend.redis.stop()
+        await wait_for(lambda: not any(c.live for c in self.backend.clusters), what="lost")
+        # Each waits on for its gateway's half of the slots, first in its own line now.
+        await wait_for(lambda: wait_b.positions[-1] == 1)
+        self.assertIsNone(wait_a.error)
+        self.assertIsNone(wait_b.error)
+        late_a = Waiter(a, "late_a")
+        self.assertEqual(late_a.positions, [2])
+        run_a.slot.release()  # type: ignore[union-attr]
+        self.assertIsNotNone(wait_a.slot)  # a's half: one slot, granted here
+        self.assertIsNone(late_a.slot)
+        self.assertEqual((a.in_use, b.in_use), (1, 1))
+
+        self.backend.redis.start()
+        await wait_for(lambda: all(c.live for c in self.backend.clusters), what="relinked")
+        await self.backend.settle()
+        # Redis counts both running slots again; the waiters are back in one line.
+        self.assertEqual((a.in_use, b.in_use), (2, 2))
+        self.assertEqual(sorted((len(a.waiting), len(b.waiting))), [2, 2])
+        run_b.slot.release()  # type: ignore[union-attr]
+        await wait_for(
+            lambda: any(w.slot is not None for w in (wait_b, late_a)), timeout=SETTLE + PATIENCE
+        )
+        await self.backend.settle()
+        self.assertEqual(sum(w.slot is not None for w in (wait_b, late_a)), 1)
+        for w in (wait_a, wait_b, late_a):
+            if w.slot is not None:
+                w.slot.release()
+            await self.backend.settle()
+        for w in (wait_a, wait_b, late_a):
+            if not w.slot.released:  # type: ignore[union-attr]
+                w.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertTrue(all(w.slot is not None for w in (wait_a, wait_b, late_a)))
+        self.assertEqual((a.in_use, b.in_use, len(a.waiting)), (0, 0, 0))

@@ -40,6 +40,9 @@ behind than this sees a gap in the numbers and rebuilds from a snapshot."""
 READ_BLOCK_MS = 1000  # a blocked read returns at least this often, so a dead link shows
 READ_BATCH = 1000
 BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
+SETTLE = BACKOFF[1] + 2.0
+"""After Redis lost its data, no slot is granted for this long: every gateway that was linked
+reconnects within its longest back-off, rebuilds and counts its running requests again first."""
 
 
 class Cluster:
@@ -61,6 +64,7 @@ class Cluster:
         self._reader: Any = None
         self._seq = 0
         self._last_id = "0-0"
+        self._epoch: str | None = None
         self._renewal: LoopingCall | None = None
         self._run: Deferred[None] | None = None
         # Releases that could not be sent: sent when Redis is back, before anything else.
@@ -199,9 +203,22 @@ class Cluster:
         for line in list(self.lines.values()):
             line.lost()
 
+    async def _check_epoch(self) -> None:
+        """Whether Redis lost its data since this gateway last saw it: then no slot is granted
+        for `SETTLE` seconds, while every gateway reconnects (within its back-off) and counts
+        its running requests again, so a slot in use is never handed out as free."""
+        epoch_key = self.key("epoch")
+        await self._commands.set(epoch_key, secrets.token_hex(8), only_if_not_exists=True)
+        epoch = await self._commands.get(epoch_key)
+        if self._epoch is not None and epoch != self._epoch:
+            log.warn("the shared line's Redis lost its data: counting running requests again")
+            await self._commands.set(self.key("settling"), "1", pexpire=int(SETTLE * 1000))
+        self._epoch = epoch
+
     async def rebuild(self) -> None:
         """Read every line's waiters and slots and the last event's number in one step, and
         rebuild each line's copy from them; the stream is then followed from that event."""
+        await self._check_epoch()
         lines = list(self.lines.values())
         keys = [self.key("events"), self.key("seq")]
         for line in lines:
@@ -255,7 +272,12 @@ class Cluster:
         """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        keys = [self.key("events"), self.key("seq"), self.key("line", line.key, "waiting")]
+        keys = [
+            self.key("events"),
+            self.key("seq"),
+            self.key("line", line.key, "waiting"),
+            self.key("settling"),
+        ]
         keys += [self.key("upstream", name, "slots") for name in line.member_names]
         head = [
             STREAM_LENGTH,

@@ -133,6 +133,7 @@ class ClusterConfig:
     tls: bool = False
     instance: str = ""
     lease: float = 10.0  # seconds before a silent gateway's slots and waiters expire
+    fallback_share: float = 0.0  # of each upstream's slots, used alone while Redis is away
     prefix: str = "hgw:"
 
 
@@ -303,7 +304,9 @@ def _parse_cluster(
 ) -> ClusterConfig:
     """`redis_url` as Redis clients spell it: redis://[[user]:password@]host[:port][/db], or
     rediss:// for TLS; the password may come from `password_env` instead of the URL."""
-    section.reject_unknown({"redis_url", "password_env", "instance", "lease", "prefix"})
+    section.reject_unknown(
+        {"redis_url", "password_env", "instance", "lease", "fallback_share", "prefix"}
+    )
     url = section.string("redis_url", required=True)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
@@ -323,6 +326,11 @@ def _parse_cluster(
         if password_env not in environ:
             raise section.error("password_env", f"environment variable {password_env} is not set")
         password = environ[password_env]
+    share = section.table.get("fallback_share", 0.0)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise section.error(
+            "fallback_share", f"must be a number from 0 to 1, got {_describe(share)}"
+        )
     return ClusterConfig(
         host=parts.hostname,
         port=port,
@@ -332,6 +340,7 @@ def _parse_cluster(
         tls=parts.scheme == "rediss",
         instance=section.string("instance", default_instance(server.listen)),
         lease=section.seconds("lease", ClusterConfig.lease),
+        fallback_share=float(share),
         prefix=section.string("prefix", ClusterConfig.prefix),
     )
 

@@ -88,14 +88,21 @@ class Replica:
     held: int = 0
     group: PositionedSemaphore | None = None
     owner: Any = None  # what the service keeps for this upstream (its Pool)
+    share: float | None = None  # while set, only this fraction of `limit` may be held
+
+    @property
+    def usable(self) -> int:
+        """The slots that may be held: all of them, or a gateway's fallback share of a shared
+        upstream while it cannot reach the others (`shared.SharedSemaphore`)."""
+        return self.limit if self.share is None else int(self.limit * self.share)
 
     @property
     def free(self) -> int:
-        return max(0, self.limit - self.held)
+        return max(0, self.usable - self.held)
 
     def open_at(self, now: float) -> bool:
         """Whether a request may start here now: a free slot, and in rotation."""
-        return self.held < self.limit and self.circuit.admits(now)
+        return self.held < self.usable and self.circuit.admits(now)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,9 @@ that one order into its own copy of the line (`shared.SharedSemaphore`), so the 
 the positions, session affinity and each replica's health are the same everywhere.
 
 The keys a line script gets, in this order: the stream, the counter, the line's waiters (a
-hash: waiter id -> JSON of its arrival and request), then one hash per upstream of the line
+hash: waiter id -> JSON of its arrival and request), the settling flag (while it exists, no
+slot is granted: Redis lost its data and the gateways are still counting their running
+requests again, `restore`), then one hash per upstream of the line
 (slot id -> JSON of its line, grant time and request), in the order of the member names given
 as JSON in ARGV[3]. A slot hash is per upstream, not per line, so an upstream's cap holds
 whichever lines its slots are taken through. The number of slots taken on an upstream is the
@@ -21,7 +23,7 @@ from __future__ import annotations
 import hashlib
 
 PRELUDE = """
-local EVENTS, SEQ, WAITING = KEYS[1], KEYS[2], KEYS[3]
+local EVENTS, SEQ, WAITING, SETTLING = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local MAXLEN, LINE = ARGV[1], ARGV[2]
 local MEMBERS = cjson.decode(ARGV[3])
 local LEASES = ARGV[4]
@@ -29,7 +31,7 @@ local clock = redis.call('TIME')
 local NOW = clock[1] .. '.' .. string.format('%06d', tonumber(clock[2]))
 local function slots_key(name)
   for i, member in ipairs(MEMBERS) do
-    if member == name then return KEYS[3 + i] end
+    if member == name then return KEYS[4 + i] end
   end
 end
 local function emit(event, line)
@@ -41,11 +43,12 @@ end
 local function idle()
   if redis.call('HLEN', WAITING) > 0 then return end
   for i = 1, #MEMBERS do
-    if redis.call('HLEN', KEYS[3 + i]) > 0 then return end
+    if redis.call('HLEN', KEYS[4 + i]) > 0 then return end
   end
   emit({op = 'idle'})
 end
 local function take(w, info, prefs)
+  if redis.call('EXISTS', SETTLING) == 1 then return end
   for i = 1, #prefs, 2 do
     local key = slots_key(prefs[i])
     if key and redis.call('HLEN', key) < tonumber(prefs[i + 1]) then
@@ -109,7 +112,7 @@ if redis.call('HDEL', WAITING, w) == 1 then
   return 'left'
 end
 for i = 1, #MEMBERS do
-  if redis.call('HEXISTS', KEYS[3 + i], w) == 1 then return 'granted' end
+  if redis.call('HEXISTS', KEYS[4 + i], w) == 1 then return 'granted' end
 end
 return 'unknown'
 """
@@ -150,10 +153,10 @@ for _, w in ipairs(redis.call('HKEYS', WAITING)) do
   end
 end
 for i, name in ipairs(MEMBERS) do
-  local slots = redis.call('HGETALL', KEYS[3 + i])
+  local slots = redis.call('HGETALL', KEYS[4 + i])
   for j = 1, #slots, 2 do
     if not live(slots[j]) then
-      redis.call('HDEL', KEYS[3 + i], slots[j])
+      redis.call('HDEL', KEYS[4 + i], slots[j])
       emit({op = 'release', w = slots[j], r = name, g = '1'}, cjson.decode(slots[j + 1]).l)
       swept = swept + 1
     end

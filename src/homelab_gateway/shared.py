@@ -155,7 +155,17 @@ class SharedSemaphore(PositionedSemaphore):
         """As `PositionedSemaphore.acquire_in_line`; the slot or the place comes back from
         Redis. Raises Unavailable while Redis cannot be reached."""
         if not self.cluster.live:
-            raise Unavailable(f"the shared line is unreachable: {self.cluster.last_error}")
+            if not self.cluster.config.fallback_share:
+                raise Unavailable(f"the shared line is unreachable: {self.cluster.last_error}")
+            return super().acquire_in_line(
+                on_position,
+                client=client,
+                rank=rank,
+                among=among,
+                avoid=avoid,
+                session=session,
+                first=first,
+            )
         if among is not None and len(among) == len(self.members):
             among = None
         want = _Want(among, avoid, session) if among or avoid or session else None
@@ -214,6 +224,9 @@ class SharedSemaphore(PositionedSemaphore):
         if moved is not None:
             moved._cancelAcquire(d)
             return
+        if d in self.line and not self.cluster.live:  # waiting in the fallback share
+            super()._cancelAcquire(d)
+            return
         w = self._ids.get(d)
         if w is None:
             return
@@ -241,16 +254,15 @@ class SharedSemaphore(PositionedSemaphore):
         return result
 
     def _released(self, slot: Slot) -> None:
-        held = self.clock.seconds() - slot.granted_at
-        if slot.on_release is not None:
-            slot.on_release(held)
         self._mine.pop(slot.id, None)
         args = (slot.replica.name, "1" if slot.trial and not slot.judged else "")
-        if not self.cluster.live:
+        if not self.cluster.live:  # the copy is this gateway's own until Redis is back
             self.cluster.unsent[(self.key, slot.id)] = args
-            self._drop_slot(slot.id)
-            self._count()
+            self._slots.pop(slot.id, None)
+            super()._released(slot)
             return
+        if slot.on_release is not None:
+            slot.on_release(self.clock.seconds() - slot.granted_at)
 
         def unsent(failure: Failure) -> None:
             self.cluster.unsent[(self.key, slot.id)] = args
@@ -289,10 +301,24 @@ class SharedSemaphore(PositionedSemaphore):
 
     def _hand_over(self) -> bool:
         """Slots are granted by Redis: claim what this copy shows free (after a batch of
-        events, not in its middle). Never moves anyone itself."""
+        events, not in its middle). Never moves anyone itself. Cut off from Redis, the
+        fallback share is granted here, as in process."""
+        if not self.cluster.live:
+            return super()._hand_over()
         if not self._replaying:
             self._claim()
         return False
+
+    def _grant(
+        self, candidates: list[Replica], want: _Want | None, grant: Grant, now: float
+    ) -> Slot:
+        """A slot of the fallback share: it gets an id, to be counted in Redis when it is
+        back (`rebuild`)."""
+        slot = super()._grant(candidates, want, grant, now)
+        slot.id = self.cluster.new_id()
+        self._mine[slot.id] = slot
+        self._slots[slot.id] = slot
+        return slot
 
     def _claim(self) -> None:
         if not self.cluster.live or not self.waiting:
@@ -538,16 +564,39 @@ class SharedSemaphore(PositionedSemaphore):
             member.held = sum(1 for slot in self._mine.values() if slot.replica is member)
 
     def lost(self) -> None:
-        """Redis is out of reach: this gateway's waiters get 529; its running requests keep
-        their slots and run on; the copy keeps only those."""
+        """Redis is out of reach: the copy keeps only this gateway's running requests, which
+        run on. Its waiters get 529, or, with a `fallback_share`, wait on in their order for
+        that share of each upstream's slots, granted here."""
+        now = self.clock.seconds()
+        share = self.cluster.config.fallback_share
+        staying = [self._waiting_entry(d, now) for d in self._order(now) if self._waits_here(d)]
         local, self._local = self._local, {}
         self._requests.clear()
         self._cancelled.clear()
         self._forget_copy()
+        for member in self.members:
+            member.share = share
+        for d, request, arrived in staying if share else ():
+            self._enqueue(d, request.client, request.rank, arrived, request.want, request.first)
         self._count()
         for d in local.values():
-            if not d.called:
+            if not d.called and d not in self.line:
                 d.errback(Unavailable("lost the shared line"))
+        super()._hand_over()
+        self._tell_all(now)
+
+    def _waits_here(self, item: Any) -> bool:
+        w = self._ids.get(item)
+        return w is not None and self._local.get(w) is item and w not in self._cancelled
+
+    def _waiting_entry(self, d: Any, now: float) -> tuple[Any, _Request, float]:
+        """One of this gateway's waiters, to move between the shared line and the fallback
+        share in its place: what it asked for and when it arrived."""
+        if d in self._retrying:
+            client, rank = self._retrying[d]
+            return d, _Request(client, rank, self._wants.get(d), True, None), now
+        client, rank, arrived = self.line.arrived(d)
+        return d, _Request(client, rank, self._wants.get(d), False, None), arrived
 
     def rebuild(
         self, now: float, waiting: Mapping[str, str], slots: Mapping[str, Mapping[str, str]]
@@ -556,6 +605,11 @@ class SharedSemaphore(PositionedSemaphore):
         starts afresh (until the line is next idle, this copy may order clients differently
         from the others': claims stay safe, Redis takes one per slot)."""
         self.clock.offset = now - self.reactor.seconds()
+        waited = (
+            [] if self.cluster.live else [self._waiting_entry(d, now) for d in self._order(now)]
+        )
+        for member in self.members:
+            member.share = None
         self._forget_copy()
         for member in self.members:
             member.held = 0
@@ -596,6 +650,9 @@ class SharedSemaphore(PositionedSemaphore):
             if self._ours(w) and w not in self._local:
                 self.cluster.line_call(self, "leave", w).addErrback(lambda _: None)
             self._on_join({"w": w, "i": entry["i"], "a": entry["a"]}, now)
+        for d, request, arrived in waited:  # waited in the fallback share: back in line
+            request.listener = self._listeners.get(d)
+            self._ask(request, arrived, d)
         self._count()
         self._tell_all(now)
 
