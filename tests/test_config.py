@@ -381,3 +381,69 @@ def test_replica_mistakes_are_one_line(tmp_path: Path, replace: str, message: st
     with pytest.raises(ConfigError) as raised:
         load_config(write(tmp_path, text))
     assert message.replace('"', "'") in str(raised.value)
+
+
+def test_the_cluster_section_as_redis_clients_spell_it() -> None:
+    assert parse_config({}, environ={}).cluster is None
+    config = parse_config(
+        tomllib.loads(
+            '[server]\nlisten = "tcp:9000"\n'
+            '[cluster]\nredis_url = "rediss://gw:s%40cret@redis.home.lan:6380/2"\nlease = 4\n'
+            "fallback_share = 0.5"
+        ),
+        environ={},
+    )
+    cluster = config.cluster
+    assert cluster is not None
+    assert (cluster.host, cluster.port, cluster.db, cluster.tls) == (
+        "redis.home.lan",
+        6380,
+        2,
+        True,
+    )
+    assert (cluster.username, cluster.password) == ("gw", "s@cret")
+    assert (cluster.lease, cluster.fallback_share, cluster.prefix) == (4.0, 0.5, "hgw:")
+    assert cluster.instance.endswith(":9000")  # the host name and the listening port
+    assert "s@cret" not in repr(cluster)
+    plain = parse_config(
+        tomllib.loads(
+            '[cluster]\nredis_url = "redis://127.0.0.1"\npassword_env = "P"\ninstance = "gw-1"'
+        ),
+        environ={"P": "pw"},
+    ).cluster
+    assert plain is not None
+    assert (plain.port, plain.db, plain.tls, plain.password, plain.instance) == (
+        6379,
+        0,
+        False,
+        "pw",
+        "gw-1",
+    )
+    assert (plain.lease, plain.fallback_share) == (10.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[cluster]\nlease = 3", "cluster.redis_url: is required"),
+        ("[cluster]\nredis_url = 'http://x'", "cluster.redis_url: must be a redis:// or rediss://"),
+        ("[cluster]\nredis_url = 'redis://x:99999'", "cluster.redis_url: has a bad port"),
+        ("[cluster]\nredis_url = 'redis://x/db1'", "cluster.redis_url: must end in a database"),
+        ("[cluster]\nredis_url = 'redis://x'\nlease = 0", "cluster.lease: must be a positive"),
+        (
+            "[cluster]\nredis_url = 'redis://x'\nfallback_share = 2",
+            "cluster.fallback_share: must be a number from 0 to 1",
+        ),
+        (
+            "[cluster]\nredis_url = 'redis://x'\npassword_env = 'NOPE'",
+            "cluster.password_env: environment variable NOPE is not set",
+        ),
+        (
+            "[cluster]\nredis_url = 'redis://:pw@x'\npassword_env = 'K'",
+            "cluster.password_env: the redis_url already has a password",
+        ),
+        ("[cluster]\nredis_url = 'redis://x'\nnodes = 3", "cluster.nodes: unknown key"),
+    ],
+)
+def test_cluster_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    assert error(tmp_path, text, environ={"K": "key"}).startswith(expected)

@@ -53,6 +53,11 @@ class Changes(SynchronousTestCase):
             ],
         )
 
+    def test_joining_a_cluster_applies_at_the_next_restart(self) -> None:
+        new = json.loads(json.dumps(BASE))
+        new["cluster"] = {"redis_url": "redis://:secret@redis/0"}
+        self.assertEqual(self.changes(new), ["cluster: changed (applies at the next restart)"])
+
     def test_clients_and_queue_changes_name_the_client_never_its_key(self) -> None:
         new = json.loads(json.dumps(BASE))
         new["clients"] = {"chat": {"key_env": "CHAT", "priority": "interactive"}}
