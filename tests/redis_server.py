@@ -69,6 +69,21 @@ class RedisServer:
         except OSError:
             return False
 
+    def command(self, *args: str) -> int | str | None:
+        """One command over a raw socket (RESP), for a test to look at Redis itself."""
+        request = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(request.encode())
+            reply = s.recv(65536).decode()
+        kind, rest = reply[0], reply[1:].split("\r\n")[0]
+        if kind == ":":
+            return int(rest)
+        if kind == "+":
+            return rest
+        if kind == "$":
+            return None if rest == "-1" else reply.split("\r\n")[1]
+        raise RuntimeError(reply)
+
     def stop(self) -> None:
         """Kill it (SIGKILL: an outage, not a shutdown) and wait for the process to end."""
         if self.popen is not None and self.popen.poll() is None:

@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,19 +47,20 @@ class Stream(threading.Thread):
     """One streaming request read to its end on a thread: its status, its queue positions and
     whether the answer ended with message_stop."""
 
-    def __init__(self, gateway: str, prompt: str) -> None:
+    def __init__(self, gateway: str, prompt: str, max_tokens: int = 64) -> None:
         super().__init__(daemon=True)
-        self.gateway, self.prompt = gateway, prompt
+        self.gateway, self.prompt, self.max_tokens = gateway, prompt, max_tokens
         self.status: int | None = None
         self.positions: list[int] = []
         self.events: list[str] = []
         self.error: Exception | None = None
+        self.retry_after: str | None = None
         self.start()
 
     def run(self) -> None:
         body = {
             "model": "reasoning",
-            "max_tokens": 64,
+            "max_tokens": self.max_tokens,
             "stream": True,
             "messages": [{"role": "user", "content": self.prompt}],
         }
@@ -69,6 +71,7 @@ class Stream(threading.Thread):
         )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
+                self.retry_after = response.headers["retry-after"]
                 self.status = response.status
                 event = None
                 for raw in response:
@@ -78,7 +81,9 @@ class Stream(threading.Thread):
                         self.events.append(event)
                     elif line.startswith("data: ") and event == "queue":
                         self.positions.append(json.loads(line[6:])["position"])
-        except Exception as e:
+        except urllib.error.HTTPError as e:
+            self.status, self.retry_after, self.error = e.code, e.headers["retry-after"], e
+        except Exception as e:  # a dead gateway's client sees its connection end
             self.error = e
 
     @property
@@ -137,9 +142,8 @@ def test_twenty_streams_over_two_gateways_never_pass_two_slots_and_wait_in_one_l
     # Positions count the waiters of both gateways: one gateway alone never had 10 waiting.
     assert first[-1] > 10, first
     assert len(set(first)) == len(first), first
-    for url in (a, b):
-        upstream = get(url + "/llm/v1/status")["upstreams"]["vllm"]
-        assert (upstream["in_use"], upstream["waiting"]) == (0, 0)
+    for url in (a, b):  # a slot is released just after its answer's last byte
+        wait_until(lambda url=url: idle(url))
         with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
             assert "homelab_gateway_cluster_up 1.0" in response.read().decode()
 
@@ -173,3 +177,48 @@ def test_a_gateway_killed_with_slots_and_waiters_frees_them_within_the_lease(
     stats = stub_stats(stub_url)
     assert stats["max_in_flight"] <= 2, stats
     assert stats["completed"] == 2, stats
+
+
+def idle(url: str) -> bool:
+    upstream = get(url + "/llm/v1/status")["upstreams"]["vllm"]
+    return (upstream["in_use"], upstream["waiting"]) == (0, 0)
+
+
+def ready(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_redis_stopped_mid_load_then_restarted_empty(cluster: dict[str, Any]) -> None:
+    a, b = cluster["urls"]
+    stub_url, redis = cluster["stub_url"], cluster["redis"]
+    # Two answers of about 3 s that run through the outage, and one request waiting behind.
+    running = [Stream(a, "long", max_tokens=150), Stream(b, "long", max_tokens=150)]
+    wait_until(lambda: stub_stats(stub_url)["in_flight"] == 2)
+    queued = Stream(b, "hello queued")
+    wait_until(lambda: waiting(a) == 1)
+    redis.stop()
+    wait_until(lambda: all(get(u + "/llm/v1/status")["cluster"]["redis"] == "down" for u in (a, b)))
+    assert (ready(a), ready(b)) == (503, 503)
+    refused = Stream(a, "hello refused")
+    refused.join(20)
+    assert (refused.status, refused.retry_after) == (529, "5"), refused.error
+    queued.join(20)
+    assert queued.status == 200 and "error" in queued.events and not queued.completed
+    redis.start()
+    wait_until(lambda: all(get(u + "/llm/v1/status")["cluster"]["redis"] == "up" for u in (a, b)))
+    for stream in running:  # they held their slots through the outage and ran to the end
+        stream.join(60)
+        assert stream.completed, (stream.status, stream.events[-3:], stream.error)
+    after = [Stream((a, b)[i % 2], f"hello after {i}") for i in range(6)]
+    for stream in after:
+        stream.join(60)
+        assert stream.completed, (stream.status, stream.events[-3:], stream.error)
+    assert stub_stats(stub_url)["max_in_flight"] <= 2
+    assert (ready(a), ready(b)) == (200, 200)
+    for url in (a, b):
+        wait_until(lambda url=url: idle(url))
+    assert redis.command("HLEN", "hgw:upstream:vllm:slots") == 0  # nothing left held

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import txredisapi
 from twisted.internet.defer import Deferred, ensureDeferred, fail
+from twisted.internet.error import ConnectError
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
@@ -43,6 +44,11 @@ BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
 SETTLE = BACKOFF[1] + 2.0
 """After Redis lost its data, no slot is granted for this long: every gateway that was linked
 reconnects within its longest back-off, rebuilds and counts its running requests again first."""
+
+
+LINK_FAILURES = (txredisapi.RedisError, ValueError, OSError, ConnectError, TimeoutError)
+"""What a lost or refused link to Redis raises (txredisapi says "could not connect" with a
+ValueError); anything else is a bug, logged with its traceback."""
 
 
 class Cluster:
@@ -110,7 +116,7 @@ class Cluster:
                 await self._rejoin()
                 delay = BACKOFF[0]
                 await self._follow()
-            except txredisapi.RedisError as e:
+            except LINK_FAILURES as e:
                 if self._running:
                     self.last_error = str(e) or type(e).__name__
             except Exception as e:  # a bug must not end the gateway's link for good
