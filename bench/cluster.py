@@ -88,21 +88,29 @@ class Redis:
         assert server.popen is not None
         self.stats = ProcessStats(server.popen.pid)
 
-    def commands(self) -> dict[str, tuple[int, int]]:
-        """`INFO commandstats`: calls and microseconds per command (this query excluded)."""
+    def info(self, section: str) -> list[str]:
+        """The lines of one `INFO` section, over a raw connection of its own."""
         with socket.create_connection(("127.0.0.1", self.server.port), timeout=10) as s:
-            s.sendall(b"INFO commandstats\r\n")
+            s.sendall(f"INFO {section}\r\n".encode())
             reply = s.makefile("rb")
             size = int(reply.readline()[1:])
-            text = reply.read(size).decode()
+            return reply.read(size).decode().splitlines()
+
+    def commands(self) -> dict[str, tuple[int, int]]:
+        """`INFO commandstats`: calls and microseconds per command (these queries excluded)."""
         counts = {}
-        for line in text.splitlines():
+        for line in self.info("commandstats"):
             if line.startswith("cmdstat_"):
                 name, _, fields = line.removeprefix("cmdstat_").partition(":")
                 values = dict(f.split("=") for f in fields.split(","))
                 counts[name] = (int(values["calls"]), int(values["usec"]))
         counts.pop("info", None)
         return counts
+
+    def used_kb(self) -> float:
+        """The memory Redis's data takes (`used_memory`), in KB."""
+        line = next(x for x in self.info("memory") if x.startswith("used_memory:"))
+        return int(line.split(":")[1]) / 1024
 
 
 def command_figures(
@@ -117,6 +125,7 @@ def command_figures(
     sent = {name: n for name, n in calls.items() if name not in IN_SCRIPTS}
     usec = sum(after[name][1] - before.get(name, (0, 0))[1] for name in sent)  # scripts included
     return {
+        "commands_with_those_in_scripts": round(sum(calls.values()) / per, 2),
         "round_trips": round(sum(sent.values()) / per, 2),
         "round_trips_by_command": {name: round(n / per, 2) for name, n in sorted(sent.items())},
         "script_runs": round(calls.get("time", 0) / per, 2),  # each script asks Redis's TIME once
@@ -236,6 +245,7 @@ async def shared_burst(
     for url in urls:  # every copy of the line sees both slots taken
         await burst.wait_queue(url, lambda s: s["in_use"] == SLOTS)
     rss_before = [stats.rss_kb() for _, stats in gateways]
+    redis_kb = redis.used_kb()
     cpu_before = [stats.cpu_seconds() for _, stats in gateways]
     redis_cpu, commands = redis.stats.cpu_seconds(), redis.commands()
     started = time.monotonic()
@@ -252,6 +262,7 @@ async def shared_burst(
         )
     all_queued = time.monotonic() - started
     rss_waiting = [stats.rss_kb() for _, stats in gateways]
+    redis_kb_per_waiter = (redis.used_kb() - redis_kb) / n
     released_at = time.monotonic()
     release.set()
     for blocker in blockers:  # stalled streams send nothing more: close them
@@ -285,6 +296,7 @@ async def shared_burst(
         "rss_kb_idle_each": rss_before,
         "rss_kb_all_waiting_each": rss_waiting,
         "kb_per_waiter": round((sum(rss_waiting) - sum(rss_before)) / n, 2),
+        "redis_kb_per_waiter": round(redis_kb_per_waiter, 2),
     }
 
 
