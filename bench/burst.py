@@ -9,6 +9,7 @@ gateway process alone where they are costs:
 - refused / reset / other errors, and how many completed with `message_stop`;
 - in order: the initial queue positions are exactly 1..n, and with 2 slots the client at
   position k + 2 never reaches the upstream before the one at k (the stub's log of starts);
+  each client's positions only fall (one client, one FIFO), down to 1;
 - gateway CPU per request, from the first connect to the line drained;
 - KB of gateway RSS per waiting stream, all of them waiting;
 - queue frames per second of waiting, per client (median, p95, max).
@@ -130,10 +131,13 @@ def outcome(results: list[Result], tags: list[str], stub_log: Path) -> dict[str,
     # With 2 slots, the client at position k + 2 must not reach the upstream before the one at k.
     order = [rank.get(tag_of[id(r)], -1) for r in by_position]
     out_of_order = sum(1 for i in range(len(order) - 2) if order[i] > order[i + 2])
-    rates, frames_total = [], 0
+    rates, frames_total, rising, not_one = [], 0, 0, 0
     for r in queued:
         frames = [f for f in r.frames if f.event == "queue"]
         frames_total += len(frames)
+        positions = [f.data["position"] for f in frames]
+        rising += positions != sorted(positions, reverse=True)  # one client, one FIFO: only falls
+        not_one += positions[-1] != 1
         waited = r.first(lambda f: f.event == "message_start").at - r.sent  # type: ignore[union-attr]
         rates.append(len(frames) / waited if waited > 0 else 0.0)
     return {
@@ -146,6 +150,8 @@ def outcome(results: list[Result], tags: list[str], stub_log: Path) -> dict[str,
         "completed": len(complete),
         "queued_positions_exact": positions_exact,
         "dispatched_out_of_queue_order": out_of_order,
+        "waiters_whose_position_rose": rising,
+        "waiters_never_told_1": not_one,
         "queue_frames_per_waiter": round(frames_total / len(queued), 2) if queued else None,
         "queue_frames_per_s_waiting_p50": round(statistics.median(rates), 2) if rates else None,
         "queue_frames_per_s_waiting_p95": round(percentile(rates, 95), 2) if rates else None,
