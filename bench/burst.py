@@ -9,6 +9,7 @@ gateway process alone where they are costs:
 - refused / reset / other errors, and how many completed with `message_stop`;
 - in order: the initial queue positions are exactly 1..n, and with 2 slots the client at
   position k + 2 never reaches the upstream before the one at k (the stub's log of starts);
+  each client's positions only fall (one client, one FIFO), down to 1;
 - gateway CPU per request, from the first connect to the line drained;
 - KB of gateway RSS per waiting stream, all of them waiting;
 - queue frames per second of waiting, per client (median, p95, max).
@@ -98,6 +99,22 @@ async def burst(gateway: str, stats: Any, n: int, stub_log: Path) -> dict[str, A
     await wait_queue(gateway, lambda s: s["in_use"] == 0 and s["waiting"] == 0)
     cpu = stats.cpu_seconds() - cpu_before
 
+    return {
+        "clients": n,
+        "slots": 2,
+        **outcome(results, [f"c-{i}" for i in range(n)], stub_log),
+        "seconds_until_all_queued": round(all_queued, 2),
+        "drain_seconds": round(drained, 1),
+        "gateway_cpu_ms_per_request": round(1000 * cpu / n, 3),
+        "rss_kb_idle": rss_before,
+        "rss_kb_all_waiting": rss_waiting,
+        "kb_per_waiter": round((rss_waiting - rss_before) / n, 2),
+    }
+
+
+def outcome(results: list[Result], tags: list[str], stub_log: Path) -> dict[str, Any]:
+    """What the clients saw (`tags`: each result's metadata.user_id) and the order the stub saw
+    them start: errors, completions, positions 1..n exact, dispatch order, queue frames."""
     errors = [r.error or "" for r in results if r.error]
     complete = [
         r for r in results if not r.error and r.status == 200 and r.events[-1:] == ["message_stop"]
@@ -108,20 +125,22 @@ async def burst(gateway: str, stats: Any, n: int, stub_log: Path) -> dict[str, A
     positions_exact = [first_position[id(r)] for r in by_position] == list(
         range(1, len(queued) + 1)
     )
-    tags = {id(r): f"c-{i}" for i, r in enumerate(results)}
+    tag_of = {id(r): tag for r, tag in zip(results, tags, strict=True)}
     dispatched = stub_start_order(stub_log)
     rank = {tag: k for k, tag in enumerate(dispatched)}
     # With 2 slots, the client at position k + 2 must not reach the upstream before the one at k.
-    order = [rank.get(tags[id(r)], -1) for r in by_position]
+    order = [rank.get(tag_of[id(r)], -1) for r in by_position]
     out_of_order = sum(1 for i in range(len(order) - 2) if order[i] > order[i + 2])
-    rates = []
+    rates, frames_total, rising, not_one = [], 0, 0, 0
     for r in queued:
         frames = [f for f in r.frames if f.event == "queue"]
+        frames_total += len(frames)
+        positions = [f.data["position"] for f in frames]
+        rising += positions != sorted(positions, reverse=True)  # one client, one FIFO: only falls
+        not_one += positions[-1] != 1
         waited = r.first(lambda f: f.event == "message_start").at - r.sent  # type: ignore[union-attr]
         rates.append(len(frames) / waited if waited > 0 else 0.0)
     return {
-        "clients": n,
-        "slots": 2,
         "refused": sum("Refused" in e for e in errors),
         "reset": sum("Reset" in e or "Broken" in e for e in errors),
         "other_errors": sorted(set(errors) - {e for e in errors if "Refused" in e or "Reset" in e})[
@@ -131,12 +150,9 @@ async def burst(gateway: str, stats: Any, n: int, stub_log: Path) -> dict[str, A
         "completed": len(complete),
         "queued_positions_exact": positions_exact,
         "dispatched_out_of_queue_order": out_of_order,
-        "seconds_until_all_queued": round(all_queued, 2),
-        "drain_seconds": round(drained, 1),
-        "gateway_cpu_ms_per_request": round(1000 * cpu / n, 3),
-        "rss_kb_idle": rss_before,
-        "rss_kb_all_waiting": rss_waiting,
-        "kb_per_waiter": round((rss_waiting - rss_before) / n, 2),
+        "waiters_whose_position_rose": rising,
+        "waiters_never_told_1": not_one,
+        "queue_frames_per_waiter": round(frames_total / len(queued), 2) if queued else None,
         "queue_frames_per_s_waiting_p50": round(statistics.median(rates), 2) if rates else None,
         "queue_frames_per_s_waiting_p95": round(percentile(rates, 95), 2) if rates else None,
         "queue_frames_per_s_waiting_max": round(max(rates), 2) if rates else None,
