@@ -7,8 +7,10 @@ a gateway that dies, one that stops cleanly, Redis going away and coming back em
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
+import orjson
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import TestCase
@@ -367,3 +369,54 @@ class SharedOnly(TestCase):
         await self.backend.settle()
         self.assertTrue(all(w.slot is not None for w in (wait_a, wait_b, late_a)))
         self.assertEqual((a.in_use, b.in_use, len(a.waiting)), (0, 0, 0))
+
+
+class Agreement(TestCase):
+    """Random joins, cancels and releases on three gateways at once: every copy of the line
+    ends up the same line, and the whole history in Redis never had slot N+1 taken."""
+
+    @async_test
+    async def test_copies_agree_and_the_history_never_passes_the_cap(self) -> None:
+        backend = OverRedis()
+        lines = await backend.start(self, 3, 3)
+        rng = random.Random(14)
+        waiters: list[Waiter] = []
+        for step in range(150):
+            roll = rng.random()
+            held = [w for w in waiters if w.slot is not None and not w.slot.released]
+            pending = [w for w in waiters if not w.d.called]
+            if roll < 0.5:
+                client = rng.choice(["a", "b", "c"])
+                cls = rng.choice(["interactive", "normal", "batch"])
+                waiters.append(Waiter(rng.choice(lines), f"w{step}", client, cls))
+            elif roll < 0.8 and held:
+                rng.choice(held).slot.release()  # type: ignore[union-attr]
+            elif pending:
+                rng.choice(pending).d.cancel()
+            if rng.random() < 0.2:
+                await backend.settle()
+        await backend.settle()
+        now = lines[0].clock.seconds()
+        orders = [[line._ids[item] for item in line._order(now)] for line in lines]
+        self.assertEqual(orders[0], orders[1])
+        self.assertEqual(orders[0], orders[2])
+        self.assertEqual(len({line.in_use for line in lines}), 1)
+        if orders[0]:  # nobody waits while a slot is free
+            self.assertEqual(lines[0].in_use, 3)
+        while any(not w.d.called for w in waiters):
+            for slot in [w.slot for w in waiters if w.slot is not None and not w.slot.released]:
+                slot.release()
+            await backend.settle()
+        for slot in [w.slot for w in waiters if w.slot is not None and not w.slot.released]:
+            slot.release()
+        await backend.settle()
+        self.assertEqual([(line.in_use, len(line.waiting)) for line in lines], [(0, 0)] * 3)
+        history = await backend.clusters[0]._commands.execute_command(
+            "XRANGE", backend.prefix + "events", "-", "+"
+        )
+        taken = peak = 0
+        for _, fields in history:
+            op = orjson.loads(fields[1])["op"]
+            taken += {"admit": 1, "grant": 1, "restore": 1, "release": -1}.get(op, 0)
+            peak = max(peak, taken)
+        self.assertEqual((taken, peak), (0, 3))
