@@ -370,6 +370,34 @@ class SharedOnly(TestCase):
         self.assertTrue(all(w.slot is not None for w in (wait_a, wait_b, late_a)))
         self.assertEqual((a.in_use, b.in_use, len(a.waiting)), (0, 0, 0))
 
+    @async_test
+    async def test_a_reload_that_gives_the_model_a_second_upstream_moves_the_waiters(
+        self,
+    ) -> None:
+        (old,) = await self.backend.start(self, 1, 1)
+        held = Waiter(old, "held")
+        await self.backend.settle()
+        first, second = Waiter(old, "first"), Waiter(old, "second")
+        await self.backend.settle()
+        self.assertEqual((first.positions, second.positions), ([1], [2]))
+        cluster = self.backend.clusters[0]
+        new = SharedSemaphore(
+            [old.members[0], Replica("vllm-b", 1)], reactor, cluster=cluster, report_interval=REPORT
+        )
+        self.addCleanup(new.close)
+        new.adopt(old)
+        await self.backend.settle()
+        self.assertEqual(first.slot.replica.name, "vllm-b")  # type: ignore[union-attr]
+        await wait_for(lambda: second.positions[-1] == 1)
+        self.assertEqual((len(old.waiting), len(new.waiting)), (0, 1))
+        held.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual(second.slot.replica.name, "vllm")  # type: ignore[union-attr]
+        for w in (first, second):
+            w.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual((new.in_use, len(new.waiting)), (0, 0))
+
 
 class Agreement(TestCase):
     """Random joins, cancels and releases on three gateways at once: every copy of the line

@@ -102,8 +102,9 @@ class Cluster:
                 await self._commands.delete(self.lease_key)
                 for line in list(self.lines.values()):
                     await self.line_call(line, "sweep")
-            except Exception as e:  # stopping anyway; the lease expires
+            except LINK_FAILURES as e:  # stopping anyway; the lease expires
                 log.warn("could not give back this gateway's share at stop: {e}", e=e)
+        self.live = False  # a stop, not a loss: nothing to tell the lines or the log
         await self._disconnect()
         if self._run is not None:
             await self._run
@@ -221,21 +222,39 @@ class Cluster:
             await self._commands.set(self.key("settling"), "1", pexpire=int(SETTLE * 1000))
         self._epoch = epoch
 
-    async def rebuild(self) -> None:
-        """Read every line's waiters and slots and the last event's number in one step, and
-        rebuild each line's copy from them; the stream is then followed from that event."""
-        await self._check_epoch()
-        lines = list(self.lines.values())
+    def add(self, line: SharedSemaphore) -> None:
+        """A new line (start, or a reload that grouped upstreams anew): while linked, its copy
+        is read from Redis at once, and events it already has are skipped (`since`)."""
+        self.lines[line.key] = line
+        if self.live:
+            ensureDeferred(self.rebuild([line])).addErrback(self._not_rebuilt)
+
+    def _not_rebuilt(self, failure: Any) -> None:
+        """The link failed while reading a new line: the reconnection rebuilds every line."""
+        self.last_error = failure.getErrorMessage()
+
+    async def rebuild(self, lines: Sequence[SharedSemaphore] | None = None) -> None:
+        """Read the lines' waiters and slots (every line's by default) and the last event's
+        number in one step, and rebuild each copy from them; the stream is then followed from
+        that event."""
+        if lines is None:
+            await self._check_epoch()
+            every = list(self.lines.values())
+        else:
+            every = list(lines)
         keys = [self.key("events"), self.key("seq")]
-        for line in lines:
+        for line in every:
             keys.append(self.key("line", line.key, "waiting"))
             keys += [self.key("upstream", name, "slots") for name in line.member_names]
         reply = await self._eval("snapshot", keys, [])
-        self._seq, self._last_id, now = int(reply[0]), reply[1], float(reply[2])
+        seq, last_id, now = int(reply[0]), reply[1], float(reply[2])
+        if lines is None:
+            self._seq, self._last_id = seq, last_id
         hashes = iter(reply[3:])
-        for line in lines:
+        for line in every:
             waiting = _pairs(next(hashes))
             slots = {name: _pairs(next(hashes)) for name in line.member_names}
+            line.since = seq
             line.rebuild(now, waiting, slots)
 
     async def _follow(self) -> None:
@@ -256,13 +275,16 @@ class Cluster:
             touched: dict[SharedSemaphore, None] = {}
             for entry_id, fields in reply[0][1]:
                 event = orjson.loads(fields[1])
-                if int(event["n"]) != self._seq + 1:
+                n = int(event["n"])
+                if n <= self._seq:  # read before a rebuild that already counted it
+                    continue
+                if n != self._seq + 1:
                     log.info("gap in the shared line's events: rebuilding from Redis")
                     await self.rebuild()
                     break
-                self._seq, self._last_id = int(event["n"]), entry_id
+                self._seq, self._last_id = n, entry_id
                 line = self.lines.get(event["l"])
-                if line is not None:
+                if line is not None and n > line.since:
                     line.apply(event)
                     touched[line] = None
             for line in touched:

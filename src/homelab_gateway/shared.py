@@ -131,7 +131,8 @@ class SharedSemaphore(PositionedSemaphore):
         self._claiming: set[str] = set()
         self._look_again: IDelayedCall | None = None
         self._replaying = False
-        cluster.lines[self.key] = self
+        self.since = 0  # the number of the last event its copy was rebuilt with
+        cluster.add(self)
 
     def _ours(self, w: str) -> bool:
         return w.startswith(self.cluster.instance + "/")
@@ -292,6 +293,8 @@ class SharedSemaphore(PositionedSemaphore):
 
     def fail_waiting(self, reason: Exception) -> None:
         """This gateway's waiters fail with `reason` (shutdown) and leave the shared line."""
+        if not self.cluster.live:  # those waiting for the fallback share wait here alone
+            super().fail_waiting(reason)
         for w, d in list(self._local.items()):
             self._give_up(w)
             if not d.called:
@@ -478,6 +481,9 @@ class SharedSemaphore(PositionedSemaphore):
         if reordered:
             self._tell_rises(t)
         self._changed()
+        group = slot.replica.group
+        if group is not self and group is not None:  # a reload moved the upstream since
+            group.refresh()
 
     def _drop_slot(self, w: str) -> None:
         slot = self._slots.pop(w, None)
@@ -677,6 +683,8 @@ class SharedSemaphore(PositionedSemaphore):
             item = old._items.get(w)
             arrived = old.line.arrived(item)[2] if item in old.line else None
             old._give_up(w)
+            old._listeners.pop(d, None)
+            old._reported.pop(d, None)
             old._moved[d] = self
             d.addBoth(self._forget_move, old, d)
             restricted = among if len(among) < len(self.members) else None
