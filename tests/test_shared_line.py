@@ -15,12 +15,12 @@ from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.cluster import SETTLE, Cluster
+from homelab_gateway.cluster import BACKOFF, SETTLE, Cluster
 from homelab_gateway.config import ClusterConfig
 from homelab_gateway.limiter import PositionedSemaphore, Replica, Slot, Unavailable
 from homelab_gateway.line import CLASS_RANK
 from homelab_gateway.shared import SharedSemaphore
-from tests.helpers import PATIENCE, wait_for
+from tests.helpers import PATIENCE, PROMPTLY, wait_for
 from tests.redis_server import RedisServer
 from tests.test_proxy import async_test
 
@@ -397,6 +397,32 @@ class SharedOnly(TestCase):
             w.slot.release()  # type: ignore[union-attr]
         await self.backend.settle()
         self.assertEqual((new.in_use, len(new.waiting)), (0, 0))
+
+    @async_test
+    async def test_a_gateway_started_before_redis_refuses_until_it_links_and_stops_at_once(
+        self,
+    ) -> None:
+        self.backend.redis = RedisServer()
+        self.addCleanup(self.backend.redis.close)
+        self.backend.prefix = "early:"
+        self.backend.clusters = []
+        line = self.backend.gateway(self, "early", 1, 0.0)
+        cluster = self.backend.clusters[0]
+        await wait_for(lambda: cluster.last_error is not None, what="a refused connection")
+        with self.assertRaises(Unavailable):
+            line.acquire_in_line(client="c")
+        self.backend.redis.start()
+        await wait_for(lambda: cluster.live, timeout=BACKOFF[1] + PATIENCE)
+        first = Waiter(line, "first")
+        await self.backend.settle()
+        self.assertIsNotNone(first.slot)
+        first.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.backend.redis.stop()
+        await wait_for(lambda: not cluster.live and cluster._pause is not None)
+        started = reactor.seconds()
+        await cluster.stop()  # in the pause between two attempts: it ends the pause
+        self.assertLess(reactor.seconds() - started, BACKOFF[0] * 2 + PROMPTLY)
 
 
 class Agreement(TestCase):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import txredisapi
-from twisted.internet.defer import Deferred, ensureDeferred, fail
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, fail
 from twisted.internet.error import ConnectError
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall, deferLater
@@ -73,6 +73,7 @@ class Cluster:
         self._epoch: str | None = None
         self._renewal: LoopingCall | None = None
         self._run: Deferred[None] | None = None
+        self._pause: Deferred[None] | None = None  # between attempts to reach Redis
         # Releases that could not be sent: sent when Redis is back, before anything else.
         self.unsent: dict[tuple[str, str], tuple[str, ...]] = {}
 
@@ -97,6 +98,8 @@ class Cluster:
         self._running = False
         if self._renewal is not None and self._renewal.running:
             self._renewal.stop()
+        if self._pause is not None:
+            self._pause.cancel()
         if self.live:
             try:
                 await self._commands.delete(self.lease_key)
@@ -127,7 +130,10 @@ class Cluster:
             await self._disconnect()
             if not self._running:
                 return
-            await deferLater(self.reactor, delay, lambda: None)
+            self._pause = deferLater(self.reactor, delay, lambda: None)
+            with suppress(CancelledError):  # a stop during the pause
+                await self._pause
+            self._pause = None
             delay = min(delay * 2, BACKOFF[1])
 
     async def _connect(self) -> None:
