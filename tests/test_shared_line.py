@@ -424,6 +424,38 @@ class SharedOnly(TestCase):
         await cluster.stop()  # in the pause between two attempts: it ends the pause
         self.assertLess(reactor.seconds() - started, BACKOFF[0] * 2 + PROMPTLY)
 
+    @async_test
+    async def test_health_and_sessions_found_on_one_gateway_hold_on_every_gateway(
+        self,
+    ) -> None:
+        a, b = await self.backend.start(self, 2, 2)
+        for line in (a, b):
+            line.members[0].circuit.failures_to_open = 1
+        session = a.acquire_in_line(client="c", session="conversation-1")
+        await self.backend.settle()
+        self.assertEqual(b.sessions.get("conversation-1"), "vllm")
+        slot = session.result
+        refused = "upstream vllm unreachable: connection refused"
+        slot.failed(refused)
+        slot.release()
+        await self.backend.settle()
+        for line in (a, b):  # out of rotation everywhere, for the same cool-down
+            circuit = line.members[0].circuit
+            self.assertEqual(
+                (circuit.state, circuit.last_error),
+                ("down", "upstream vllm unreachable: connection refused"),
+            )
+        self.assertEqual(a.members[0].circuit.retry_at, b.members[0].circuit.retry_at)
+        waiting = Waiter(b, "waiting")
+        await self.backend.settle()
+        self.assertIsNone(waiting.slot)  # nobody starts on a replica out of rotation
+        a.recovered(a.members[0])  # a's probe reached it
+        await self.backend.settle()
+        self.assertEqual([line.members[0].circuit.state for line in (a, b)], ["up", "up"])
+        self.assertIsNotNone(waiting.slot)
+        waiting.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+
 
 class Agreement(TestCase):
     """Random joins, cancels and releases on three gateways at once: every copy of the line
