@@ -134,8 +134,8 @@ class StatusPage:
         longest = {}
         for name, pool in self.pools.items():
             arrived = pool.slots.line.oldest_arrival()
-            if arrived is not None:
-                longest[name] = now - arrived
+            if arrived is not None:  # on the line's clock (a shared line's is Redis's)
+                longest[name] = pool.slots.clock.seconds() - arrived
         return {
             "type": "snapshot",
             **snapshot.build(
