@@ -85,9 +85,13 @@ def test_the_documented_example_parses(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["homelab-gateway.toml", "homelab-gateway-replicas.toml"])
+@pytest.mark.parametrize(
+    "name",
+    ["homelab-gateway.toml", "homelab-gateway-replicas.toml", "homelab-gateway-cluster.toml"],
+)
 def test_shipped_example_config_parses(name: str) -> None:
-    load_config(REPO / "etc" / name, environ={"VLLM_API_KEY": "k"})
+    environ = {"VLLM_API_KEY": "k", "HOMELAB_GATEWAY_REDIS_PASSWORD": "pw"}
+    load_config(REPO / "etc" / name, environ=environ)
 
 
 def test_missing_file(tmp_path: Path) -> None:
