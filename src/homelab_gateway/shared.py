@@ -55,6 +55,11 @@ CLAIM_RETRY = 0.2
 again this much later at the latest: the event that explains the refusal usually comes first."""
 
 
+def _ignore(failure: Failure) -> None:
+    """A script call whose failure changes nothing here: a lost link is seen by the reader,
+    and the line is rebuilt from Redis when it is back."""
+
+
 class Remote:
     """A waiter of another gateway, in this gateway's copy of the line."""
 
@@ -241,7 +246,7 @@ class SharedSemaphore(PositionedSemaphore):
         self._requests.pop(w, None)
         if d is not None and self._items.get(w) is not d:
             self._ids.pop(d, None)
-        self.cluster.line_call(self, "leave", w).addErrback(lambda _: None)
+        self.cluster.line_call(self, "leave", w).addErrback(_ignore)
 
     def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
         moved = self._moved.get(d)
@@ -280,7 +285,7 @@ class SharedSemaphore(PositionedSemaphore):
         event: dict[str, Any] = {"op": "verdict", "r": slot.replica.name}
         if failure is not None:
             event["why"] = failure
-        self.cluster.line_call(self, "note", orjson.dumps(event)).addErrback(lambda _: None)
+        self.cluster.line_call(self, "note", orjson.dumps(event)).addErrback(_ignore)
 
     def recovered(self, replica: Replica) -> None:
         if replica.circuit.state == UP:
@@ -289,7 +294,7 @@ class SharedSemaphore(PositionedSemaphore):
             super().recovered(replica)
             return
         event = orjson.dumps({"op": "probed", "r": replica.name})
-        self.cluster.line_call(self, "note", event).addErrback(lambda _: None)
+        self.cluster.line_call(self, "note", event).addErrback(_ignore)
 
     def fail_waiting(self, reason: Exception) -> None:
         """This gateway's waiters fail with `reason` (shutdown) and leave the shared line."""
@@ -445,8 +450,19 @@ class SharedSemaphore(PositionedSemaphore):
         self, w: str, replica_name: str, grant: Grant, t: float, info: Mapping[str, Any]
     ) -> None:
         replica = self._member(replica_name)
-        if replica is None:
-            return  # an upstream this gateway does not have in this line
+        if replica is None:  # an upstream this gateway does not have in this line
+            if self._ours(w):  # another gateway's config gave it one: it cannot be used here
+                self.cluster.line_call(self, "release", w, replica_name, "").addErrback(_ignore)
+                d = self._local.pop(w, None)
+                if d is not None and not d.called:
+                    log.warn(
+                        "granted a slot of {upstream}, which this gateway's line {line} does not "
+                        "have: the gateways' configs differ",
+                        upstream=replica_name,
+                        line=self.key,
+                    )
+                    d.errback(Unavailable(f"the shared line {self.key} is configured differently"))
+            return
         slot = Slot(self, grant, t, replica, id=w)
         replica.held += 1
         slot.trial = replica.circuit.begin()
@@ -495,7 +511,7 @@ class SharedSemaphore(PositionedSemaphore):
         info = orjson.dumps({"c": slot.grant.client, "k": slot.grant.rank})
         self.cluster.line_call(
             self, "restore", slot.id, slot.replica.name, repr(slot.granted_at), info
-        ).addErrback(lambda _: None)
+        ).addErrback(_ignore)
 
     def _on_restore(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
@@ -654,7 +670,7 @@ class SharedSemaphore(PositionedSemaphore):
         for w, raw in arrivals:
             entry = orjson.loads(raw)
             if self._ours(w) and w not in self._local:
-                self.cluster.line_call(self, "leave", w).addErrback(lambda _: None)
+                self.cluster.line_call(self, "leave", w).addErrback(_ignore)
             self._on_join({"w": w, "i": entry["i"], "a": entry["a"]}, now)
         for d, request, arrived in waited:  # waited in the fallback share: back in line
             request.listener = self._listeners.get(d)
