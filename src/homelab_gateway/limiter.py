@@ -271,9 +271,7 @@ class PositionedSemaphore(DeferredSemaphore):
             # A cool-down ended in this instant, before its timer ran: those already waiting
             # got the trial first, and one granted out of turn may have moved others back.
             self._tell_rises(now)
-        if among is not None and len(among) == len(self.members):
-            among = None
-        want = _Want(among, avoid, session) if among or avoid or session else None
+        want = self._want(among, avoid, session)
         candidates = self._open_for(want, now)
         if candidates:
             slot = self._grant(candidates, want, self.line.admit(client, rank, now), now)
@@ -282,11 +280,7 @@ class PositionedSemaphore(DeferredSemaphore):
                 self._changed()
             return succeed(slot)
         if not first:
-            if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
-                raise QueueFull()
-            limit = self.max_waiting.get(client)
-            if limit is not None and self.line.waiting_for(client) >= limit:
-                raise ClientQueueFull(client, limit)
+            self._check_room(client)
         d: Deferred[Slot] = Deferred(canceller=self._cancelAcquire)
         self._enqueue(d, client, rank, now, want, first)
         if on_position is None and not self._listeners:
@@ -303,6 +297,22 @@ class PositionedSemaphore(DeferredSemaphore):
             self._place(d, now)
         self._watch_aging(now)
         return d
+
+    def _want(
+        self, among: frozenset[Replica] | None, avoid: frozenset[Replica], session: str | None
+    ) -> _Want | None:
+        """What a waiter may take; None for any replica of the line, no session."""
+        if among is not None and len(among) == len(self.members):
+            among = None
+        return _Want(among, avoid, session) if among or avoid or session else None
+
+    def _check_room(self, client: str) -> None:
+        """Raise QueueFull (ClientQueueFull) if the line (the client's share of it) is full."""
+        if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
+            raise QueueFull()
+        limit = self.max_waiting.get(client)
+        if limit is not None and self.line.waiting_for(client) >= limit:
+            raise ClientQueueFull(client, limit)
 
     def _open_for(self, want: _Want | None, now: float) -> list[Replica]:
         """The replicas a waiter may start on now. A retry avoids the replicas it failed on

@@ -37,10 +37,8 @@ from homelab_gateway.cluster import Cluster
 from homelab_gateway.limiter import (
     ANONYMOUS,
     NORMAL,
-    ClientQueueFull,
     PositionedSemaphore,
     PositionListener,
-    QueueFull,
     Replica,
     Slot,
     Unavailable,
@@ -172,15 +170,9 @@ class SharedSemaphore(PositionedSemaphore):
                 session=session,
                 first=first,
             )
-        if among is not None and len(among) == len(self.members):
-            among = None
-        want = _Want(among, avoid, session) if among or avoid or session else None
         if not first:
-            if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
-                raise QueueFull()
-            limit = self.max_waiting.get(client)
-            if limit is not None and self.line.waiting_for(client) >= limit:
-                raise ClientQueueFull(client, limit)
+            self._check_room(client)
+        want = self._want(among, avoid, session)
         return self._ask(_Request(client, rank, want, first, on_position))
 
     def _ask(
