@@ -86,6 +86,12 @@ class TestBuild:
         snap = build(status=status(models=["a", "b"]))
         assert snap["upstreams"]["vllm"]["models"] == ["a", "b"]
 
+    def test_a_shared_lines_link_is_shown_only_where_there_is_one(self) -> None:
+        assert "cluster" not in build()
+        document = status()
+        document["cluster"] = {"instance": "gw-a/1f2e", "redis": "down", "last_error": "refused"}
+        assert build(status=document)["cluster"] == document["cluster"]
+
     def test_a_top_level_models_map_is_passed_on_with_its_clients_cut(self) -> None:
         document = status()
         clients = {f"c{i}": 1 for i in range(20)}

@@ -141,6 +141,9 @@ def build(
         "uptime_s": round(now - started, 1),
         "upstreams": upstreams,
     }
+    cluster = status.get("cluster")
+    if isinstance(cluster, Mapping):  # lines shared through Redis: this gateway and its link
+        snapshot["cluster"] = dict(cluster)
     lines = status.get("models")
     if isinstance(lines, Mapping):
         snapshot["models"] = {

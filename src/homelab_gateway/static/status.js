@@ -163,6 +163,13 @@ function renderFinished(rows, now) {
 function render(snapshot) {
   $("version").textContent = snapshot.version;
   $("uptime").textContent = seconds(snapshot.uptime_s);
+  const cluster = snapshot.cluster;
+  $("cluster").hidden = !cluster;
+  if (cluster) {
+    $("cluster").textContent = `shared line: ${cluster.instance}, Redis ${cluster.redis}` +
+      (cluster.redis === "up" ? "" : ` (${cluster.last_error || "unreachable"})`);
+    $("cluster").dataset.state = cluster.redis;
+  }
   $("upstreams").replaceChildren(
     ...Object.entries(snapshot.upstreams || {}).map(([name, entry]) => upstreamCard(name, entry)));
   const models = snapshot.models;
