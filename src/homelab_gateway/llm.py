@@ -59,6 +59,9 @@ short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
 SESSION_HEADER = b"x-claude-code-session-id"
 CANCELLED = ("client_disconnected", "shutdown")  # outcomes InFlight sets before it cancels
+# Shared: CPython has no empty-frozenset singleton, and `frozenset()` is 216 bytes that each
+# waiting request would hold for its whole wait.
+NO_REPLICAS: frozenset[Replica] = frozenset()
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
@@ -331,7 +334,7 @@ class Messages:
         the upstream answered with a 502/503/504 are retried at most `retries` times, and only
         on a replica not tried yet and in rotation.
         """
-        avoid: frozenset[Replica] = frozenset()  # every replica tried: tried last, if at all
+        avoid: frozenset[Replica] = NO_REPLICAS  # every replica tried: tried last, if at all
         pools = target.pools  # less those that refused it (502/503/504): never again
         refusal: GatewayError | None = None  # the last such refusal
         deadline: float | None = None
