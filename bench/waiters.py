@@ -36,7 +36,7 @@ FRAMES = 12  # of each allocation's traceback
 
 
 def request_bytes(prompt: str, tag: str, port: int) -> bytes:
-    """What bench's burst scenario sends: a short streamed prompt, a user id per client."""
+    """What bench's burst scenario sends: a streamed prompt, a user id per client."""
     body = json.dumps(
         {
             "model": "queue",
@@ -56,7 +56,7 @@ def request_bytes(prompt: str, tag: str, port: int) -> bytes:
 # The client: a child process driven by one command a line on stdin, answering one line each.
 
 
-async def _client(port: int) -> None:
+async def _client(port: int, padding: int) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -68,7 +68,7 @@ async def _client(port: int) -> None:
         """One request: `seen` once its first frame arrived; True if it ended with
         message_stop."""
         r, w = await asyncio.open_connection("127.0.0.1", port)
-        w.write(request_bytes(prompt, tag, port))
+        w.write(request_bytes(prompt + " " + "x" * padding if padding else prompt, tag, port))
         received = b""
         while True:
             data = await r.read(65536)
@@ -183,7 +183,7 @@ def report(
     return {"tracemalloc_bytes_per_waiter": round(total / n), "blocks_per_waiter": blocks / n}
 
 
-def measure(n: int, top: int) -> None:
+def measure(n: int, top: int, padding: int) -> None:
     from twisted.internet import protocol, reactor
     from twisted.internet.defer import Deferred, ensureDeferred
 
@@ -234,7 +234,15 @@ def measure(n: int, top: int) -> None:
     reactor.spawnProcess(
         client,
         sys.executable,
-        [sys.executable, "-m", "bench.waiters", "--client", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "bench.waiters",
+            "--client",
+            str(port),
+            "--prompt-bytes",
+            str(padding),
+        ],
         env=os.environ,
     )
 
@@ -295,12 +303,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--waiters", type=int, default=1000)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="pad each prompt by this many bytes (a coding agent's request is 100 KB or more)",
+    )
     parser.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client is not None:
-        asyncio.run(_client(args.client))
+        asyncio.run(_client(args.client, args.prompt_bytes))
     else:
-        measure(args.waiters, args.top)
+        measure(args.waiters, args.top, args.prompt_bytes)
 
 
 if __name__ == "__main__":

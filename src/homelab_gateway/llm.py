@@ -268,11 +268,15 @@ class Messages:
     def resolve(
         self, request: IRequest, record: RequestRecord, *, count_only: bool = False
     ) -> tuple[Target, MappedRequest]:
-        """Parse and map the request body; the channel has already bounded its size."""
+        """Parse and map the request body; the channel has already bounded its size.
+
+        The raw body is let go once read: a request may wait minutes for a slot, and the mapped
+        request is all it needs from then on (a coding agent's body is 100 KB or more, and from
+        100 KB on twisted.web keeps it in a temporary file, a descriptor per waiter)."""
+        raw = request.content.read()
+        request.content.close()
         try:
-            body = json.loads(
-                request.content.read(), parse_constant=_no_constant, parse_float=_finite_float
-            )
+            body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
             name = request_model(body)
             record.model = name
             model = find_model(self.models, name)
