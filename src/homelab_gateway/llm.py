@@ -78,6 +78,18 @@ class EventStream:
     while queued, a `ping` once the message has started. It never writes to a gone client.
     """
 
+    __slots__ = (
+        "_keepalive",
+        "_position",
+        "_timer",
+        "clock",
+        "estimator",
+        "gone",
+        "ping_interval",
+        "request",
+        "started",
+    )
+
     def __init__(self, request: IRequest, clock: IReactorTime, ping_interval: float) -> None:
         self.request = request
         self.clock = clock
@@ -163,7 +175,7 @@ def _in_rotation(pools: Iterable[Pool]) -> bool:
     return any(p.replica.circuit.state != DOWN for p in pools)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Target:
     """Where a request for `model` may run: its replicas, and its session (the replica that
     served the session last has its prefix cached)."""
