@@ -5,8 +5,8 @@ reset by every byte, so a client can make it spool a huge body or trickle one fo
 channel answers 413 from the Content-Length header (or as soon as a chunked body passes the
 limit) and gives each request one deadline, from its first byte to its last, to arrive. A
 connection that says nothing is closed too: a new one after `request_timeout`, an idle
-keep-alive one after `keepalive_timeout` (Twisted's own idle timeout is a fixed 60 s, and each
-silent connection holds a descriptor).
+keep-alive one after `keepalive_timeout` (Twisted's own idle timeout, a fixed 60 s, is off:
+each silent connection holds a descriptor, and these deadlines are the ones documented).
 
 Whatever the channel refuses (malformed, oversized, too slow) gets an answer in the gateway's
 JSON error shape with a `request-id`, as every other answer does; twisted.web's own refusals
@@ -224,6 +224,11 @@ class GatewaySite(Site):
     requestFactory = GatewayRequest
 
     def __init__(self, resource: Any, limits: WireLimits, **kwargs: Any) -> None:
+        # No twisted.web idle timer: the channel's own deadlines (`WireLimits`) are the ones
+        # documented, and Twisted's would be one more timer per connection, made, reset on
+        # every read and cancelled for every request, and kept by the reactor until it compacts
+        # its timers (thousands of waiting requests hold one each).
+        kwargs.setdefault("timeout", None)
         super().__init__(resource, **kwargs)
         self.limits = limits
         # Open connections, so shutdown can close them and wait until each has written out
