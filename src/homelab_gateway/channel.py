@@ -70,9 +70,13 @@ class GatewayChannel(HTTPChannel):
         if self._refused:
             return
         if self._silent:
-            self._cancel_deadline()
-        if self._deadline is None and not self._handlingRequest:
-            self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
+            # The first byte: from now on the same timer bounds the whole request (a reset,
+            # not a second timer, which the reactor would keep cancelled among its live ones).
+            self._silent = False
+            assert self._deadline is not None
+            self._deadline.reset(self.limits.request_timeout)
+        elif self._deadline is None and not self._handlingRequest:
+            self._deadline = self.callLater(self.limits.request_timeout, self._expired)
         super().dataReceived(data)
 
     def requestDone(self, request: Any) -> None:
@@ -81,7 +85,7 @@ class GatewayChannel(HTTPChannel):
         if self.persistent and not self._refused:
             if self._dataBuffer:
                 self._cancel_deadline()
-                self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
+                self._deadline = self.callLater(self.limits.request_timeout, self._expired)
             else:
                 self._await_first_byte(
                     min(self.limits.request_timeout, self.limits.keepalive_timeout)
@@ -91,12 +95,18 @@ class GatewayChannel(HTTPChannel):
     def _await_first_byte(self, timeout: float) -> None:
         self._cancel_deadline()
         self._silent = True
-        self._deadline = self.callLater(timeout, self._said_nothing)
+        self._deadline = self.callLater(timeout, self._expired)
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self._silent:
+            self._said_nothing()
+        else:
+            self._too_slow()
 
     def _said_nothing(self) -> None:
         """Closed without an answer: nothing was asked, and an unsolicited 408 on a keep-alive
         connection can be read by a client as the answer to the request it sends next."""
-        self._deadline = None
         self._silent = False
         self.loseConnection()
 
@@ -138,7 +148,6 @@ class GatewayChannel(HTTPChannel):
         self.site.connection_lost(self)
 
     def _too_slow(self) -> None:
-        self._deadline = None
         self._refuse(
             408, "timeout_error", f"request not received within {self.limits.request_timeout:g}s"
         )
