@@ -339,9 +339,11 @@ class Messages:
         target: Target,
         mapped: MappedRequest,
         on_position: PositionListener | None,
-        relay: Callable[[Pool, Slot], Any],
+        request: IRequest | None,
+        emit: Callable[[list[Event]], None],
     ) -> None:
-        """Hold a slot on one of the target's replicas and run `relay` there; after a failure
+        """Hold a slot on one of the target's replicas and `_relay` the answer there into
+        `emit` (with the client's `request`, when streaming); after a failure
         that is safe to retry (see `GatewayError.retry`: nothing reached the client and the
         upstream cannot have run the request), again on another replica, ahead of the line.
 
@@ -370,7 +372,7 @@ class Messages:
             mapped.body["model"] = target.model.model_on(pool.upstream.name)
             mapped.body.update(pool.upstream_fields(record))
             try:
-                await relay(pool, slot)
+                await self._relay(request, record, pool, mapped, emit, slot)
                 return
             except GatewayError as e:
                 if record.outcome in CANCELLED:
@@ -406,12 +408,10 @@ class Messages:
     ) -> None:
         stream = EventStream(request, self.clock, self.ping_interval)
         stream.estimator = target.pools[0].slots.estimate
-
-        async def relay(pool: Pool, slot: Slot) -> None:
-            await self._relay(request, record, pool, mapped, stream.send, slot)
-
         try:
-            await self._attempts(record, target, mapped, stream.queue_position, relay)
+            await self._attempts(
+                record, target, mapped, stream.queue_position, request, stream.send
+            )
         except GatewayError as e:
             record.outcome = record.outcome or e.outcome
             if not stream.started:
@@ -429,11 +429,7 @@ class Messages:
         self, record: RequestRecord, target: Target, mapped: MappedRequest
     ) -> dict[str, Any]:
         builder = MessageBuilder()
-
-        async def relay(pool: Pool, slot: Slot) -> None:
-            await self._relay(None, record, pool, mapped, builder.add, slot)
-
-        await self._attempts(record, target, mapped, None, relay)
+        await self._attempts(record, target, mapped, None, None, builder.add)
         try:
             return builder.message()
         except IncompleteMessage as e:
