@@ -96,9 +96,11 @@ class EventStream:
         self.ping_interval = ping_interval
         self.started = False
         self.gone = False
-        self._keepalive: bytes | None = None
+        self._keepalive: bytes | None = None  # once started: the ping
         self._timer: IDelayedCall | None = None
-        self._position: int | None = None  # while queued
+        # While queued: the place, whose frame is made again for each keep-alive (with a new
+        # estimate), so no waiter holds a copy of its last frame.
+        self._position: int | None = None
         # The wait a position means (`PositionedSemaphore.estimate`), where one is known.
         self.estimator: Callable[[int], float | None] | None = None
         request.notifyFinish().addErrback(self._client_left)
@@ -113,8 +115,7 @@ class EventStream:
 
     def queue_position(self, position: int) -> None:
         self._position = position
-        self._keepalive = self._queue_frame(position)
-        self._write(self._keepalive)
+        self._write(self._queue_frame(position))
 
     def _queue_frame(self, position: int) -> bytes:
         estimate = self.estimator(position) if self.estimator is not None else None
@@ -134,14 +135,14 @@ class EventStream:
         self.request.write(frames)
         if self._timer is not None and self._timer.active():
             self._timer.reset(self.ping_interval)
-        elif self._keepalive is not None:
+        elif self._keepalive is not None or self._position is not None:
             self._timer = self.clock.callLater(self.ping_interval, self._keep_alive)
 
     def _keep_alive(self) -> None:
         self._timer = None
         if self._position is not None:  # the same place, but time went by: a new estimate
-            self._keepalive = self._queue_frame(self._position)
-        if self._keepalive is not None:
+            self._write(self._queue_frame(self._position))
+        elif self._keepalive is not None:
             self._write(self._keepalive)
 
     def _client_left(self, _: object) -> None:
