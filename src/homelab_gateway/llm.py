@@ -75,7 +75,10 @@ class EventStream:
 
     Nothing is sent before the first frame, so an upstream that refuses early can still get an
     HTTP error. While silent for `ping_interval` it repeats a keep-alive: the last queue frame
-    while queued, a `ping` once the message has started. It never writes to a gone client.
+    while queued, a `ping` once the message has started. It never writes to a gone client: the
+    client leaving cancels the handler (`InFlight`), whose `finally` closes the stream, in the
+    same turn, and twisted.web drops a write to a disconnected request (no `notifyFinish` of
+    its own, which would be one more Deferred for each of thousands of waiters).
     """
 
     __slots__ = (
@@ -84,7 +87,6 @@ class EventStream:
         "_timer",
         "clock",
         "estimator",
-        "gone",
         "ping_interval",
         "request",
         "started",
@@ -95,7 +97,6 @@ class EventStream:
         self.clock = clock
         self.ping_interval = ping_interval
         self.started = False
-        self.gone = False
         self._keepalive: bytes | None = None  # once started: the ping
         self._timer: IDelayedCall | None = None
         # While queued: the place, whose frame is made again for each keep-alive (with a new
@@ -103,7 +104,6 @@ class EventStream:
         self._position: int | None = None
         # The wait a position means (`PositionedSemaphore.estimate`), where one is known.
         self.estimator: Callable[[int], float | None] | None = None
-        request.notifyFinish().addErrback(self._client_left)
 
     def send(self, events: list[Event]) -> None:
         if not events:
@@ -124,8 +124,6 @@ class EventStream:
         return ESTIMATED_QUEUE_FRAME % (position, estimate)
 
     def _write(self, frames: bytes) -> None:
-        if self.gone:
-            return
         if not self.started:
             self.started = True
             self.request.setResponseCode(200)
@@ -144,10 +142,6 @@ class EventStream:
             self._write(self._queue_frame(self._position))
         elif self._keepalive is not None:
             self._write(self._keepalive)
-
-    def _client_left(self, _: object) -> None:
-        self.gone = True
-        self.close()
 
     def close(self) -> None:
         if self._timer is not None and self._timer.active():
