@@ -8,9 +8,13 @@ streams. The cost of one is the difference between N and 2N waiters divided by N
 cancels start-up and whatever the first waiters warmed:
 
 - RSS (from /proc/self/statm), in a first round without tracing;
-- tracemalloc, in a second round on the same gateway: bytes and blocks per waiter, the
-  allocations grouped by traceback (where, and through which gateway line), and the objects
-  per waiter by type (gc-tracked containers only).
+- tracemalloc, in a second round on the same gateway: bytes per waiter as the daemon holds
+  them (uncollected garbage included) and live (after a full collection), the live bytes
+  grouped by allocating line and by their 8 most recent frames, and the objects per waiter
+  by type (gc-tracked containers only).
+
+The gateway's heap is settled as the daemon's is (`heap.settle_heap`), and each client sends
+what bench's burst scenario sends (a short streamed prompt, a user id of its own).
 
 Both rounds then let the line drain and check every waiter got its answer. tracemalloc's
 figure does not depend on the machine's load; RSS adds the allocator's overhead and is
@@ -149,9 +153,12 @@ def diff(
 
 
 def short(filename: str) -> str:
-    for marker in ("site-packages/", "/src/", "/lib/python3.11/"):
+    """A source file as a reader would name it: package/module.py."""
+    for marker in ("site-packages/", "/src/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
+    if "/lib/python" in filename:  # the standard library: drop lib/python3.x/
+        return filename.split("/lib/python", 1)[1].split("/", 1)[-1]
     return filename
 
 
@@ -166,9 +173,7 @@ def object_types() -> collections.Counter[str]:
     return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
-def report(
-    n: int, before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int
-) -> dict[str, Any]:
+def report(n: int, before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) -> None:
     by_site = diff(before, after, 1)
     total = sum(size for _, size, _ in by_site)
     blocks = sum(count for _, _, count in by_site)
@@ -180,7 +185,6 @@ def report(
     for frames, size, count in diff(before, after, 8)[:top]:
         chain = " < ".join(show(f) for f in frames[1:])
         print(f"  {size / n:7.0f} {count / n:5.1f}  {show(frames[0], code=True)}\n      < {chain}")
-    return {"tracemalloc_bytes_per_waiter": round(total / n), "blocks_per_waiter": blocks / n}
 
 
 def measure(n: int, top: int, padding: int) -> None:
