@@ -10,11 +10,15 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet import reactor
+from twisted.internet.error import ConnectionDone
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyChannel
 
-from homelab_gateway.channel import GatewayRequest
+from homelab_gateway.channel import GatewayRequest, GatewaySite, WireLimits
 from homelab_gateway.telemetry import loggable
 from tests.helpers import (
     RawResponse,
@@ -239,3 +243,23 @@ class Forms(TestCase):
         request.requestReceived(b"POST", b"/x?q=1", b"HTTP/1.1")
         self.assertEqual(request.args, {b"q": [b"1"]})
         self.assertEqual(request.content.read(), b"a=b")
+
+
+class IdleTimers(TestCase):
+    def test_only_request_timeout_bounds_a_request_that_arrives_slowly(self) -> None:
+        """The channel's own deadlines are the documented ones: twisted.web's 60 s idle timer
+        (one more timer per connection) does not cut a request that `request_timeout`
+        still allows."""
+        clock = MemoryReactorClock()
+        limits = WireLimits(max_body_bytes=1000, max_header_bytes=16384, request_timeout=90)
+        site = GatewaySite(Resource(), limits, reactor=clock)
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(b"POST /llm/v1/messages HTTP/1.1\r\nHost: x\r\n")
+        clock.advance(75)
+        self.assertFalse(transport.disconnecting)
+        clock.advance(20)
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertTrue(transport.disconnecting)
+        channel.connectionLost(Failure(ConnectionDone()))

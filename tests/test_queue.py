@@ -47,6 +47,21 @@ class Queue(LLMSurface):
         await self.settled()
 
     @async_test
+    async def test_a_waiting_request_holds_no_raw_body(self) -> None:
+        """While it waits, a request keeps only its mapped form: the body it arrived with (a
+        coding agent's is 100 KB or more) is let go once parsed."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat(content="x" * 5000))
+        await queued.until_text("event: queue")
+        in_flight = list(self.servers.gateway.inflight._active)
+        self.assertTrue(in_flight)
+        self.assertTrue(all(r.content.closed for r in in_flight))
+        await queued.closed
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
     async def test_dropping_queue_frames_leaves_a_valid_anthropic_stream(self) -> None:
         busy = self.fill(2)
         await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")

@@ -5,8 +5,8 @@ reset by every byte, so a client can make it spool a huge body or trickle one fo
 channel answers 413 from the Content-Length header (or as soon as a chunked body passes the
 limit) and gives each request one deadline, from its first byte to its last, to arrive. A
 connection that says nothing is closed too: a new one after `request_timeout`, an idle
-keep-alive one after `keepalive_timeout` (Twisted's own idle timeout is a fixed 60 s, and each
-silent connection holds a descriptor).
+keep-alive one after `keepalive_timeout` (Twisted's own idle timeout, a fixed 60 s, is off:
+each silent connection holds a descriptor, and these deadlines are the ones documented).
 
 Whatever the channel refuses (malformed, oversized, too slow) gets an answer in the gateway's
 JSON error shape with a `request-id`, as every other answer does; twisted.web's own refusals
@@ -70,9 +70,13 @@ class GatewayChannel(HTTPChannel):
         if self._refused:
             return
         if self._silent:
-            self._cancel_deadline()
-        if self._deadline is None and not self._handlingRequest:
-            self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
+            # The first byte: from now on the same timer bounds the whole request (a reset,
+            # not a second timer, which the reactor would keep cancelled among its live ones).
+            self._silent = False
+            assert self._deadline is not None
+            self._deadline.reset(self.limits.request_timeout)
+        elif self._deadline is None and not self._handlingRequest:
+            self._deadline = self.callLater(self.limits.request_timeout, self._expired)
         super().dataReceived(data)
 
     def requestDone(self, request: Any) -> None:
@@ -81,7 +85,7 @@ class GatewayChannel(HTTPChannel):
         if self.persistent and not self._refused:
             if self._dataBuffer:
                 self._cancel_deadline()
-                self._deadline = self.callLater(self.limits.request_timeout, self._too_slow)
+                self._deadline = self.callLater(self.limits.request_timeout, self._expired)
             else:
                 self._await_first_byte(
                     min(self.limits.request_timeout, self.limits.keepalive_timeout)
@@ -91,12 +95,18 @@ class GatewayChannel(HTTPChannel):
     def _await_first_byte(self, timeout: float) -> None:
         self._cancel_deadline()
         self._silent = True
-        self._deadline = self.callLater(timeout, self._said_nothing)
+        self._deadline = self.callLater(timeout, self._expired)
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self._silent:
+            self._said_nothing()
+        else:
+            self._too_slow()
 
     def _said_nothing(self) -> None:
         """Closed without an answer: nothing was asked, and an unsolicited 408 on a keep-alive
         connection can be read by a client as the answer to the request it sends next."""
-        self._deadline = None
         self._silent = False
         self.loseConnection()
 
@@ -138,7 +148,6 @@ class GatewayChannel(HTTPChannel):
         self.site.connection_lost(self)
 
     def _too_slow(self) -> None:
-        self._deadline = None
         self._refuse(
             408, "timeout_error", f"request not received within {self.limits.request_timeout:g}s"
         )
@@ -224,6 +233,11 @@ class GatewaySite(Site):
     requestFactory = GatewayRequest
 
     def __init__(self, resource: Any, limits: WireLimits, **kwargs: Any) -> None:
+        # No twisted.web idle timer: the channel's own deadlines (`WireLimits`) are the ones
+        # documented, and Twisted's would be one more timer per connection, made, reset on
+        # every read and cancelled for every request, and kept by the reactor until it compacts
+        # its timers (thousands of waiting requests hold one each).
+        kwargs.setdefault("timeout", None)
         super().__init__(resource, **kwargs)
         self.limits = limits
         # Open connections, so shutdown can close them and wait until each has written out

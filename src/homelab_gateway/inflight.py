@@ -33,7 +33,7 @@ class InFlight:
         self.clock = clock
         self.telemetry = telemetry
         self.draining = False
-        self._active: dict[IRequest, tuple[RequestRecord, Deferred[Any]]] = {}
+        self._active: dict[IRequest, _Flight] = {}
         self._idle: list[Deferred[None]] = []
         self._grace: Deferred[None] | None = None
 
@@ -50,34 +50,17 @@ class InFlight:
     ) -> Deferred[Any]:
         """Drive `work` for `request`; a shutdown that cuts a handler before it answered gets
         the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did."""
-        d = ensureDeferred(work)
-        self._active[request] = (record, d)
+        flight = _Flight(self, request, record, ensureDeferred(work), anthropic)
+        self._active[request] = flight
+        request.notifyFinish().addBoth(flight.over)
+        return flight.d.addErrback(flight.cut_by_shutdown)
 
-        def client_left(_: object) -> None:
-            if record.outcome is None:
-                record.outcome = "client_disconnected"
-            d.cancel()  # unwinds the handler now, so the record is complete below
-
-        def request_over(_: object) -> None:
-            # After Klein wrote a returned body (or the client left): the status is final,
-            # and the answer's last byte is with the transport.
-            record.status = request.code if request.startedWriting else None
-            self.telemetry.finish(record)
-            del self._active[request]
-            if not self._active:
-                idle, self._idle = self._idle, []
-                for waiter in idle:
-                    waiter.callback(None)
-
-        def cut_by_shutdown(failure: Failure) -> Any:
-            failure.trap(CancelledError)
-            if record.outcome != "shutdown" or request.startedWriting:
-                return failure
-            return send_error(request, shutdown_error(), anthropic=anthropic)
-
-        request.notifyFinish().addErrback(client_left)
-        request.notifyFinish().addBoth(request_over)
-        return d.addErrback(cut_by_shutdown)
+    def _done(self, request: IRequest) -> None:
+        del self._active[request]
+        if not self._active:
+            idle, self._idle = self._idle, []
+            for waiter in idle:
+                waiter.callback(None)
 
     def idle(self) -> Deferred[None]:
         """Fires once no request is in flight (every answer handed to its transport)."""
@@ -96,10 +79,10 @@ class InFlight:
             with suppress(DeferredTimeout, CancelledError):
                 await self._grace
             self._grace = None
-        for record, d in list(self._active.values()):
-            if not d.called:
-                record.outcome = "shutdown"
-                d.cancel()
+        for flight in list(self._active.values()):
+            if not flight.d.called:
+                flight.record.outcome = "shutdown"
+                flight.d.cancel()
         await self.idle()
 
     def cut_short(self) -> bool:
@@ -108,3 +91,42 @@ class InFlight:
             return False
         self._grace.cancel()
         return True
+
+
+class _Flight:
+    """One request in flight: what its two callbacks need, in one small object rather than
+    closures and a second `notifyFinish` (thousands of them live while a queue is long)."""
+
+    __slots__ = ("anthropic", "d", "inflight", "record", "request")
+
+    def __init__(
+        self,
+        inflight: InFlight,
+        request: IRequest,
+        record: RequestRecord,
+        d: Deferred[Any],
+        anthropic: bool,
+    ) -> None:
+        self.inflight = inflight
+        self.request = request
+        self.record = record
+        self.d = d
+        self.anthropic = anthropic
+
+    def over(self, result: object) -> None:
+        """twisted.web finished the request: after Klein wrote a returned body, or the client
+        left. Then the status is final, and the answer's last byte is with the transport."""
+        record, request = self.record, self.request
+        if isinstance(result, Failure):  # the client left
+            if record.outcome is None:
+                record.outcome = "client_disconnected"
+            self.d.cancel()  # unwinds the handler now, so the record is complete below
+        record.status = request.code if request.startedWriting else None
+        self.inflight.telemetry.finish(record)
+        self.inflight._done(request)
+
+    def cut_by_shutdown(self, failure: Failure) -> Any:
+        failure.trap(CancelledError)
+        if self.record.outcome != "shutdown" or self.request.startedWriting:
+            return failure
+        return send_error(self.request, shutdown_error(), anthropic=self.anthropic)

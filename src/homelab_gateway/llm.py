@@ -59,6 +59,9 @@ short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
 SESSION_HEADER = b"x-claude-code-session-id"
 CANCELLED = ("client_disconnected", "shutdown")  # outcomes InFlight sets before it cancels
+# Shared: CPython has no empty-frozenset singleton, and `frozenset()` is 216 bytes that each
+# waiting request would hold for its whole wait.
+NO_REPLICAS: frozenset[Replica] = frozenset()
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
@@ -72,21 +75,35 @@ class EventStream:
 
     Nothing is sent before the first frame, so an upstream that refuses early can still get an
     HTTP error. While silent for `ping_interval` it repeats a keep-alive: the last queue frame
-    while queued, a `ping` once the message has started. It never writes to a gone client.
+    while queued, a `ping` once the message has started. It never writes to a gone client: the
+    client leaving cancels the handler (`InFlight`), whose `finally` closes the stream, in the
+    same turn, and twisted.web drops a write to a disconnected request (no `notifyFinish` of
+    its own, which would be one more Deferred for each of thousands of waiters).
     """
+
+    __slots__ = (
+        "_keepalive",
+        "_position",
+        "_timer",
+        "clock",
+        "estimator",
+        "ping_interval",
+        "request",
+        "started",
+    )
 
     def __init__(self, request: IRequest, clock: IReactorTime, ping_interval: float) -> None:
         self.request = request
         self.clock = clock
         self.ping_interval = ping_interval
         self.started = False
-        self.gone = False
-        self._keepalive: bytes | None = None
+        self._keepalive: bytes | None = None  # once started: the ping
         self._timer: IDelayedCall | None = None
-        self._position: int | None = None  # while queued
+        # While queued: the place, whose frame is made again for each keep-alive (with a new
+        # estimate), so no waiter holds a copy of its last frame.
+        self._position: int | None = None
         # The wait a position means (`PositionedSemaphore.estimate`), where one is known.
         self.estimator: Callable[[int], float | None] | None = None
-        request.notifyFinish().addErrback(self._client_left)
 
     def send(self, events: list[Event]) -> None:
         if not events:
@@ -98,8 +115,7 @@ class EventStream:
 
     def queue_position(self, position: int) -> None:
         self._position = position
-        self._keepalive = self._queue_frame(position)
-        self._write(self._keepalive)
+        self._write(self._queue_frame(position))
 
     def _queue_frame(self, position: int) -> bytes:
         estimate = self.estimator(position) if self.estimator is not None else None
@@ -108,8 +124,6 @@ class EventStream:
         return ESTIMATED_QUEUE_FRAME % (position, estimate)
 
     def _write(self, frames: bytes) -> None:
-        if self.gone:
-            return
         if not self.started:
             self.started = True
             self.request.setResponseCode(200)
@@ -119,19 +133,15 @@ class EventStream:
         self.request.write(frames)
         if self._timer is not None and self._timer.active():
             self._timer.reset(self.ping_interval)
-        elif self._keepalive is not None:
+        elif self._keepalive is not None or self._position is not None:
             self._timer = self.clock.callLater(self.ping_interval, self._keep_alive)
 
     def _keep_alive(self) -> None:
         self._timer = None
         if self._position is not None:  # the same place, but time went by: a new estimate
-            self._keepalive = self._queue_frame(self._position)
-        if self._keepalive is not None:
+            self._write(self._queue_frame(self._position))
+        elif self._keepalive is not None:
             self._write(self._keepalive)
-
-    def _client_left(self, _: object) -> None:
-        self.gone = True
-        self.close()
 
     def close(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -160,7 +170,7 @@ def _in_rotation(pools: Iterable[Pool]) -> bool:
     return any(p.replica.circuit.state != DOWN for p in pools)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Target:
     """Where a request for `model` may run: its replicas, and its session (the replica that
     served the session last has its prefix cached)."""
@@ -265,11 +275,15 @@ class Messages:
     def resolve(
         self, request: IRequest, record: RequestRecord, *, count_only: bool = False
     ) -> tuple[Target, MappedRequest]:
-        """Parse and map the request body; the channel has already bounded its size."""
+        """Parse and map the request body; the channel has already bounded its size.
+
+        The raw body is let go once read: a request may wait minutes for a slot, and the mapped
+        request is all it needs from then on (a coding agent's body is 100 KB or more, and from
+        100 KB on twisted.web keeps it in a temporary file, a descriptor per waiter)."""
+        raw = request.content.read()
+        request.content.close()
         try:
-            body = json.loads(
-                request.content.read(), parse_constant=_no_constant, parse_float=_finite_float
-            )
+            body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
             name = request_model(body)
             record.model = name
             model = find_model(self.models, name)
@@ -320,9 +334,11 @@ class Messages:
         target: Target,
         mapped: MappedRequest,
         on_position: PositionListener | None,
-        relay: Callable[[Pool, Slot], Any],
+        request: IRequest | None,
+        emit: Callable[[list[Event]], None],
     ) -> None:
-        """Hold a slot on one of the target's replicas and run `relay` there; after a failure
+        """Hold a slot on one of the target's replicas and `_relay` the answer there into
+        `emit` (with the client's `request`, when streaming); after a failure
         that is safe to retry (see `GatewayError.retry`: nothing reached the client and the
         upstream cannot have run the request), again on another replica, ahead of the line.
 
@@ -331,7 +347,7 @@ class Messages:
         the upstream answered with a 502/503/504 are retried at most `retries` times, and only
         on a replica not tried yet and in rotation.
         """
-        avoid: frozenset[Replica] = frozenset()  # every replica tried: tried last, if at all
+        avoid: frozenset[Replica] = NO_REPLICAS  # every replica tried: tried last, if at all
         pools = target.pools  # less those that refused it (502/503/504): never again
         refusal: GatewayError | None = None  # the last such refusal
         deadline: float | None = None
@@ -351,7 +367,7 @@ class Messages:
             mapped.body["model"] = target.model.model_on(pool.upstream.name)
             mapped.body.update(pool.upstream_fields(record))
             try:
-                await relay(pool, slot)
+                await self._relay(request, record, pool, mapped, emit, slot)
                 return
             except GatewayError as e:
                 if record.outcome in CANCELLED:
@@ -387,12 +403,10 @@ class Messages:
     ) -> None:
         stream = EventStream(request, self.clock, self.ping_interval)
         stream.estimator = target.pools[0].slots.estimate
-
-        async def relay(pool: Pool, slot: Slot) -> None:
-            await self._relay(request, record, pool, mapped, stream.send, slot)
-
         try:
-            await self._attempts(record, target, mapped, stream.queue_position, relay)
+            await self._attempts(
+                record, target, mapped, stream.queue_position, request, stream.send
+            )
         except GatewayError as e:
             record.outcome = record.outcome or e.outcome
             if not stream.started:
@@ -410,11 +424,7 @@ class Messages:
         self, record: RequestRecord, target: Target, mapped: MappedRequest
     ) -> dict[str, Any]:
         builder = MessageBuilder()
-
-        async def relay(pool: Pool, slot: Slot) -> None:
-            await self._relay(None, record, pool, mapped, builder.add, slot)
-
-        await self._attempts(record, target, mapped, None, relay)
+        await self._attempts(record, target, mapped, None, None, builder.add)
         try:
             return builder.message()
         except IncompleteMessage as e:

@@ -34,7 +34,7 @@ class InvalidRequest(Exception):
     """A client mistake, answered as 400 invalid_request_error with this text."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MappedRequest:
     model: str  # the name the client sent, echoed back in every answer
     stream: bool

@@ -54,7 +54,7 @@ def client_label(client: str) -> str:
     return ANONYMOUS_LABEL
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     request_id: str
     surface: str  # messages | count_tokens | proxy

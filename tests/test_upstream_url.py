@@ -1,0 +1,40 @@
+"""The /llm client encodes each upstream URL once and sends exactly what treq would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from treq.client import HTTPClient
+from twisted.internet.defer import Deferred
+
+from homelab_gateway.upstream import llm_http
+
+
+class RecordingAgent:
+    def __init__(self) -> None:
+        self.uris: list[bytes] = []
+
+    def request(self, method: bytes, uri: bytes, headers: Any = None, body: Any = None) -> Any:
+        self.uris.append(uri)
+        return Deferred()
+
+
+URLS = [
+    "http://127.0.0.1:8000/v1/chat/completions",
+    "http://gpu-box.lan:11434/v1/chat/completions",
+    "https://bücher.example/v1/chat/completions",
+    "http://box:8000/some path/ü/v1/tokenize?x=a b",
+    "http://user:pw@box/v1%2Fx/chat/completions",
+]
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_the_same_uri_as_treq_on_every_request(url: str) -> None:
+    ours, treqs = RecordingAgent(), RecordingAgent()
+    client, plain = llm_http(ours), HTTPClient(treqs)  # type: ignore[arg-type]
+    for _ in range(2):  # the first encodes, the second reuses
+        client.request("POST", url, data=b"{}", unbuffered=True, allow_redirects=False)
+        plain.request("POST", url, data=b"{}", unbuffered=True, allow_redirects=False)
+    assert ours.uris == treqs.uris
+    assert len(ours.uris) == 2
