@@ -6,9 +6,13 @@ from typing import Any
 
 import pytest
 from treq.client import HTTPClient
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import HostnameEndpoint
+from twisted.web.client import URI
+from twisted.web.error import SchemeNotSupported
 
-from homelab_gateway.upstream import llm_http
+from homelab_gateway.upstream import EndpointPerHost, llm_http
 
 
 class RecordingAgent:
@@ -38,3 +42,16 @@ def test_the_same_uri_as_treq_on_every_request(url: str) -> None:
         plain.request("POST", url, data=b"{}", unbuffered=True, allow_redirects=False)
     assert ours.uris == treqs.uris
     assert len(ours.uris) == 2
+
+
+def test_one_endpoint_per_host_for_every_request() -> None:
+    endpoints = EndpointPerHost(reactor, 10.0)
+    first = endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/v1/chat/completions"))
+    assert isinstance(first, HostnameEndpoint)
+    assert endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/v1/tokenize")) is first
+    other = endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8001/v1/tokenize"))
+    assert other is not first
+    tls = endpoints.endpointForURI(URI.fromBytes(b"https://gpu.example:443/v1/models"))
+    assert not isinstance(tls, HostnameEndpoint)  # TLS wrapped around the TCP endpoint
+    with pytest.raises(SchemeNotSupported):
+        endpoints.endpointForURI(URI.fromBytes(b"ftp://box/file"))

@@ -51,7 +51,7 @@ from homelab_gateway.reload import config_changes
 from homelab_gateway.replicas import DOWN
 from homelab_gateway.shared import SharedSemaphore
 from homelab_gateway.telemetry import Telemetry
-from homelab_gateway.upstream import RawHTTP, Upstream, UpstreamPool, llm_http
+from homelab_gateway.upstream import EndpointPerHost, RawHTTP, Upstream, UpstreamPool, llm_http
 from homelab_gateway.web import GatewayApp
 
 log = Logger()
@@ -241,11 +241,8 @@ class Gateway:
         *,
         transparent: bool,
     ) -> Upstream:
-        agent = Agent(
-            self.reactor,
-            connectTimeout=min(connect_timeout, TCP_CONNECT_TIMEOUT),
-            pool=self.http_pool,
-        )
+        endpoints = EndpointPerHost(self.reactor, min(connect_timeout, TCP_CONNECT_TIMEOUT))
+        agent = Agent.usingEndpointFactory(self.reactor, endpoints, pool=self.http_pool)
         return Upstream(
             name=name,
             url=url,

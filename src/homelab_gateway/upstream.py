@@ -20,18 +20,27 @@ from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IPushProducer,
+    IReactorTime,
+    IStreamClientEndpoint,
+)
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (
+    URI,
+    BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
     RequestNotSent,
     ResponseDone,
     ResponseFailed,
 )
+from twisted.web.error import SchemeNotSupported
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IBodyProducer, IRequest, IResponse
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IRequest, IResponse
 from zope.interface import implementer
 
 from homelab_gateway.errors import GatewayError
@@ -116,6 +125,34 @@ class RawHTTP:
         and are what a bare Agent does anyway."""
         producer = BytesProducer(data) if data is not None else None
         return self._agent.request(method.encode(), url.encode(), Headers(headers), producer)
+
+
+@implementer(IAgentEndpointFactory)
+class EndpointPerHost:
+    """Where an Agent connects: TCP for http, TLS over TCP for https, as Twisted's own Agent,
+    but one endpoint per (scheme, host, port) kept for every request. Twisted builds a new one
+    for each request, IDNA-encoding the host (and for https making the TLS options) every
+    time, although an upstream is always the same host. Endpoints connect as often as asked."""
+
+    def __init__(self, reactor: Any, connect_timeout: float) -> None:
+        self._reactor = reactor
+        self._timeout = connect_timeout
+        self._tls = BrowserLikePolicyForHTTPS()
+        self._endpoints: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        key = (uri.scheme, uri.host, uri.port)
+        endpoint = self._endpoints.get(key)
+        if endpoint is None:
+            if uri.scheme not in (b"http", b"https"):
+                raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
+            endpoint = HostnameEndpoint(
+                self._reactor, uri.host.decode("ascii"), uri.port, timeout=self._timeout
+            )
+            if uri.scheme == b"https":
+                endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
+            self._endpoints[key] = endpoint
+        return endpoint
 
 
 def llm_http(agent: IAgent) -> HTTPClient:
