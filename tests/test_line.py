@@ -147,10 +147,12 @@ class LineMovesNobodyBackButWhenItSays(TestCase):
                 if place == len(before):
                     self.assertEqual(after[:place], before, "went last yet moved someone")
             elif op[0] == "pop":
+                head = line.head(now)
                 popped = line.pop(now)
                 if popped is None:
-                    self.assertEqual(before, [])
+                    self.assertEqual((before, head), ([], None))
                     continue
+                self.assertEqual(popped[0], head)
                 self.assertEqual(popped[0], before[0])
                 self.assertEqual(list(line.order(now)), before[1:], "a grant moved someone")
                 grants.append((popped[1], op[1]))

@@ -421,43 +421,53 @@ class PositionedSemaphore(DeferredSemaphore):
             found = self._next(now)
             if found is None:
                 break
-            d, candidates, grant, moved = found
+            d, candidates, head = found
+            want = self._wants.get(d)
+            grant, moved = self._take_out(d, now, head)
             reordered = reordered or moved
-            want = self._wants.pop(d, None)
-            self._remove_waiting(d)
             d.callback(self._grant(candidates, want, grant, now))
         self._count()
         return reordered
 
-    def _next(self, now: float) -> tuple[Deferred[Slot], list[Replica], Grant, bool] | None:
-        """The first waiter, in order, that may start on a replica now."""
+    def _next(self, now: float) -> tuple[Deferred[Slot], list[Replica], bool] | None:
+        """The first waiter, in order, that may start on a replica now, the replicas it may
+        start on, and whether it is the head of the line."""
         for d in self._first:
             candidates = self._open_for(self._wants.get(d), now)
             if candidates:
-                self._first.remove(d)
-                client, rank = self._retrying.pop(d)
-                grant = self.line.admit(client, rank, now)
-                return d, candidates, grant, self.line.charging_moves(client)
+                return d, candidates, False
         if not self._choosy:  # everyone may take any replica: the head of the line
-            popped = self.line.pop(now)
-            if popped is None:
+            d = self.line.head(now)
+            if d is None:
                 return None
-            d, grant = popped
-            return d, self._open_for(self._wants.get(d), now), grant, False
+            return d, self._open_for(self._wants.get(d), now), True
         for index, d in enumerate(self.line.order(now)):
+            candidates = self._open_for(self._wants.get(d), now)
+            if candidates:
+                return d, candidates, index == 0
+        return None
+
+    def _take_out(self, d: Any, now: float, head: bool) -> tuple[Grant, bool]:
+        """Take waiter `d` out of the line, granted, and charge its client as the line does: a
+        retry as admitted, the `head` of the line popped, any other taken out of turn. Also
+        True if that may have moved another waiter back."""
+        if d in self._retrying:
+            self._first.remove(d)
+            client, rank = self._retrying.pop(d)
+            grant, moved = self.line.admit(client, rank, now), self.line.charging_moves(client)
+        else:
             want = self._wants.get(d)
-            candidates = self._open_for(want, now)
-            if not candidates:
-                continue
             if want is not None and want.choosy:
                 self._choosy -= 1
-            if index == 0:
+            if head:
                 popped = self.line.pop(now)
                 assert popped is not None and popped[0] is d
-                return d, candidates, popped[1], False
-            grant, moved = self.line.take(d, now)
-            return d, candidates, grant, moved
-        return None
+                grant, moved = popped[1], False
+            else:
+                grant, moved = self.line.take(d, now)
+        self._wants.pop(d, None)
+        self._remove_waiting(d)
+        return grant, moved
 
     def _remove_waiting(self, d: Deferred[Slot]) -> None:
         if self.waiting[0] is d:
@@ -515,9 +525,10 @@ class PositionedSemaphore(DeferredSemaphore):
         moved = self._moved.get(d)
         if moved is not None:
             return moved._leave_line(result, d)
-        listener = self._listeners.pop(d)
-        last = self._reported.pop(d)
-        if last != 1 and isinstance(result, Slot):
+        # A shared line's waiter may end before its place was known: no listener yet.
+        listener = self._listeners.pop(d, None)
+        last = self._reported.pop(d, None)
+        if listener is not None and last != 1 and isinstance(result, Slot):
             listener(1)  # it was truly first in line when release handed it the slot
             self.reports += 1
         return result
@@ -533,9 +544,13 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _renumber(self) -> None:
         self._pass = None
+        self._tell_all(self.clock.seconds())
+
+    def _tell_all(self, now: float) -> None:
+        """Tell every listening waiter whose place is not its last report its place."""
         listeners, reported = self._listeners, self._reported
-        for position, d in enumerate(self._order(self.clock.seconds()), start=1):
-            if d in listeners and reported[d] != position:
+        for position, d in enumerate(self._order(now), start=1):
+            if d in listeners and reported.get(d) != position:
                 self._tell(d, position)
 
     def _tell_rises(self, now: float) -> None:
@@ -599,12 +614,8 @@ class PositionedSemaphore(DeferredSemaphore):
         time and its listener. Those whose replicas all left stay in `old`."""
         now = old.clock.seconds()
         for d in list(old._order(now)):
-            want = old._wants.get(d) or _Want()
-            # One that could take any of the old line's replicas (its model's) takes any of
-            # the new line's; one kept to some keeps to those of them that stay.
-            among = frozenset(self.members) if want.among is None else want.among
-            among = among.intersection(self.members)
-            if not among:
+            adoptable, want = self._want_here(old._wants.get(d))
+            if not adoptable:
                 continue
             first = d in old._retrying
             if first:
@@ -612,11 +623,8 @@ class PositionedSemaphore(DeferredSemaphore):
             else:
                 client, rank, arrived = old.line.arrived(d)
             old._dequeue(d)
-            old._moved[d] = self
-            d.addBoth(self._forget_move, old, d)
-            restricted = among if len(among) < len(self.members) else None
-            moved = _Want(restricted, want.avoid, want.session)
-            self._enqueue(d, client, rank, arrived, moved if moved != _Want() else None, first)
+            self._moved_from(old, d)
+            self._enqueue(d, client, rank, arrived, want, first)
             listener = old._listeners.pop(d, None)
             if listener is not None:
                 self._listeners[d] = listener
@@ -625,6 +633,22 @@ class PositionedSemaphore(DeferredSemaphore):
         old._count()
         self._tell_rises(now)
         self.refresh()
+
+    def _want_here(self, want: _Want | None) -> tuple[bool, _Want | None]:
+        """Whether a waiter of another line (a reload) may wait in this one, and what it may
+        take here: one that could take any of the old line's replicas (its model's) takes any
+        of this line's; one kept to some keeps to those of them that are here."""
+        want = want or _Want()
+        among = frozenset(self.members) if want.among is None else want.among
+        among = among.intersection(self.members)
+        restricted = among if len(among) < len(self.members) else None
+        moved = _Want(restricted, want.avoid, want.session)
+        return bool(among), (moved if moved != _Want() else None)
+
+    def _moved_from(self, old: PositionedSemaphore, d: Deferred[Slot]) -> None:
+        """`old`'s waiter `d` waits here now: its cancel and its end are forwarded here."""
+        old._moved[d] = self
+        d.addBoth(self._forget_move, old, d)
 
     @staticmethod
     def _forget_move(result: Any, old: PositionedSemaphore, d: Deferred[Slot]) -> Any:

@@ -190,6 +190,11 @@ class Line(Generic[T]):
                     best = (key, head)
         return best
 
+    def head(self, now: float) -> T | None:
+        """The waiter `pop` would serve now, left in the line; None if nobody waits."""
+        best = self._best_head(now)
+        return None if best is None else best[1].item
+
     def pop(self, now: float) -> tuple[T, Grant] | None:
         """The waiter a free slot goes to now, charged the slot time its client is expected to
         hold; None if nobody waits."""

@@ -113,6 +113,11 @@ class _Request:
         return orjson.dumps(fields)
 
 
+def _preferences(ranked: list[Replica]) -> bytes:
+    """The replicas a script may take a slot on, in order, as it reads them: [name, slots, ...]."""
+    return orjson.dumps([x for m in ranked for x in (m.name, m.limit)])
+
+
 class SharedSemaphore(PositionedSemaphore):
     """The slots of `members` and their line, shared with every gateway of `cluster`."""
 
@@ -191,14 +196,17 @@ class SharedSemaphore(PositionedSemaphore):
         self._local[w] = d
         self._ids[d] = w
         self._requests[w] = request
-        prefs = self._preferences(request.want, self.clock.seconds())
+        want = request.want
+        ranked = self._ranked(
+            self._open_for(want, self.clock.seconds()), want.session if want else None
+        )
         self.cluster.line_call(
             self,
             "join",
             w,
             request.info(),
             "" if arrived is None else repr(arrived),
-            orjson.dumps(prefs),
+            _preferences(ranked),
         ).addErrback(self._not_asked, w)
         return d
 
@@ -207,15 +215,13 @@ class SharedSemaphore(PositionedSemaphore):
         if d is not None and not d.called:
             d.errback(Unavailable(f"the shared line is unreachable: {failure.getErrorMessage()}"))
 
-    def _preferences(self, want: _Want | None, now: float) -> list[Any]:
-        """The replicas a waiter may start on now, best first, as [name, slots, ...]."""
-        candidates = self._open_for(want, now)
+    def _ranked(self, candidates: list[Replica], session: str | None) -> list[Replica]:
+        """`candidates` best first: the one `replicas.choose` takes, then the most free."""
         if not candidates:
             return []
-        best = choose(candidates, self.sessions.get(want and want.session), self._turn)
+        best = choose(candidates, self.sessions.get(session), self._turn)
         self._turn += 1
-        others = sorted((m for m in candidates if m is not best), key=lambda m: -m.free)
-        return [x for m in (best, *others) for x in (m.name, m.limit)]
+        return [best, *sorted((m for m in candidates if m is not best), key=lambda m: -m.free)]
 
     def _cancelAcquire(self, d: Deferred[Slot]) -> None:  # type: ignore[override]
         moved = self._moved.get(d)
@@ -239,17 +245,6 @@ class SharedSemaphore(PositionedSemaphore):
         if d is not None and self._items.get(w) is not d:
             self._ids.pop(d, None)
         self.cluster.line_call(self, "leave", w).addErrback(_ignore)
-
-    def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
-        moved = self._moved.get(d)
-        if moved is not None:
-            return moved._leave_line(result, d)
-        listener = self._listeners.pop(d, None)
-        last = self._reported.pop(d, None)
-        if listener is not None and last != 1 and isinstance(result, Slot):
-            listener(1)
-            self.reports += 1
-        return result
 
     def _released(self, slot: Slot) -> None:
         self._mine.pop(slot.id, None)
@@ -336,13 +331,11 @@ class SharedSemaphore(PositionedSemaphore):
             candidates = [m for m in self._open_for(want, now) if budget[m] > 0]
             if not candidates:
                 continue
-            prefs = self._preferences(
-                _Want(frozenset(candidates), session=want and want.session), now
-            )
-            budget[self._member(prefs[0])] -= 1  # type: ignore[index]
+            ranked = self._ranked(candidates, want.session if want else None)
+            budget[ranked[0]] -= 1
             spare -= 1
             self._claiming.add(w)
-            self.cluster.line_call(self, "grant", w, orjson.dumps(prefs)).addBoth(self._claimed, w)
+            self.cluster.line_call(self, "grant", w, _preferences(ranked)).addBoth(self._claimed, w)
             if spare <= 0:
                 return
 
@@ -411,28 +404,11 @@ class SharedSemaphore(PositionedSemaphore):
         w = event["w"]
         info = orjson.loads(event["i"])
         item = self._items.pop(w, None)
-        moved = False
         if item is None:  # not in this copy (it cannot be, but the slot must count)
-            grant = self.line.admit(info["c"], info["k"], t)
-        elif item in self._retrying:
-            self._first.remove(item)
-            client, rank = self._retrying.pop(item)
-            grant = self.line.admit(client, rank, t)
-            moved = self.line.charging_moves(client)
+            grant, moved = self.line.admit(info["c"], info["k"], t), False
         else:
-            want = self._wants.get(item)
-            if want is not None and want.choosy:
-                self._choosy -= 1
-            if next(iter(self.line.order(t))) is item:
-                popped = self.line.pop(t)
-                assert popped is not None
-                grant = popped[1]
-            else:
-                grant, moved = self.line.take(item, t)
-        if item is not None:
             self._ids.pop(item, None)
-            self._wants.pop(item, None)
-            self._remove_waiting(item)
+            grant, moved = self._take_out(item, t, self.line.head(t) is item)
         self._hold(w, event["r"], grant, t, info)
         if moved:
             self._tell_rises(t)
@@ -456,11 +432,9 @@ class SharedSemaphore(PositionedSemaphore):
                     d.errback(Unavailable(f"the shared line {self.key} is configured differently"))
             return
         slot = Slot(self, grant, t, replica, id=w)
-        replica.held += 1
         slot.trial = replica.circuit.begin()
         self.sessions.served(info.get("s"), replica.name)
-        self._slots[w] = slot
-        self._holding[slot] = None
+        self._add_slot(slot)
         self._count()
         if not self._ours(w):
             return
@@ -493,6 +467,18 @@ class SharedSemaphore(PositionedSemaphore):
         if group is not self and group is not None:  # a reload moved the upstream since
             group.refresh()
 
+    def _add_slot(self, slot: Slot) -> None:
+        """Count `slot` as taken in this copy (`_drop_slot` is its inverse)."""
+        self._slots[slot.id] = slot
+        self._holding[slot] = None
+        slot.replica.held += 1
+
+    def _slot_from(self, w: str, request: str, granted_at: float, replica: Replica) -> Slot:
+        """A slot this copy learns from Redis whole (a snapshot, a restore): its request's
+        client and class, and no charge to settle."""
+        info = orjson.loads(request)
+        return Slot(self, Grant(info["c"], info["k"], 0.0), granted_at, replica, id=w)
+
     def _drop_slot(self, w: str) -> None:
         slot = self._slots.pop(w, None)
         if slot is not None:
@@ -509,14 +495,9 @@ class SharedSemaphore(PositionedSemaphore):
         w = event["w"]
         if w in self._slots:
             return
-        info = orjson.loads(event["i"])
         replica = self._member(event["r"])
-        if replica is None:
-            return
-        slot = Slot(self, Grant(info["c"], info["k"], 0.0), float(event["g"]), replica, id=w)
-        replica.held += 1
-        self._slots[w] = slot
-        self._holding[slot] = None
+        if replica is not None:
+            self._add_slot(self._slot_from(w, event["i"], float(event["g"]), replica))
 
     def _on_leave(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
@@ -572,10 +553,9 @@ class SharedSemaphore(PositionedSemaphore):
         self._items.clear()
         self._ids = {d: w for w, d in self._local.items()}
         self._claiming.clear()
-        self._slots = dict(self._mine)
-        self._holding = {slot: None for slot in self._mine.values()}
+        self._slots, self._holding = {}, {}
         for member in self.members:
-            member.held = sum(1 for slot in self._mine.values() if slot.replica is member)
+            member.held = 0
 
     def lost(self) -> None:
         """Redis is out of reach: the copy keeps only this gateway's running requests, which
@@ -588,6 +568,8 @@ class SharedSemaphore(PositionedSemaphore):
         self._requests.clear()
         self._cancelled.clear()
         self._forget_copy()
+        for slot in self._mine.values():
+            self._add_slot(slot)
         for member in self.members:
             member.share = share
         for d, request, arrived in staying if share else ():
@@ -625,24 +607,16 @@ class SharedSemaphore(PositionedSemaphore):
         for member in self.members:
             member.share = None
         self._forget_copy()
-        for member in self.members:
-            member.held = 0
-        self._slots.clear()
-        self._holding.clear()
         for name, entries in slots.items():
             replica = self._member(name)
             if replica is None:
                 continue
             for w, raw in entries.items():
-                entry = orjson.loads(raw)
                 slot = self._mine.get(w)
                 if slot is None:
-                    info = orjson.loads(entry["i"])
-                    grant = Grant(info["c"], info["k"], 0.0)
-                    slot = Slot(self, grant, float(entry["t"]), replica, id=w)
-                self._slots[w] = slot
-                self._holding[slot] = None
-                replica.held += 1
+                    entry = orjson.loads(raw)
+                    slot = self._slot_from(w, entry["i"], float(entry["t"]), replica)
+                self._add_slot(slot)
                 if self._ours(w) and w not in self._mine:
                     d = self._local.pop(w, None)
                     if d is not None and not d.called:  # admitted just before the snapshot
@@ -654,9 +628,7 @@ class SharedSemaphore(PositionedSemaphore):
                         slot.release()
         for w, slot in self._mine.items():
             if w not in self._slots:  # Redis lost it while its request runs
-                self._slots[w] = slot
-                self._holding[slot] = None
-                slot.replica.held += 1
+                self._add_slot(slot)
                 self._restore(slot)
         arrivals = sorted(waiting.items(), key=lambda kv: float(orjson.loads(kv[1])["a"]))
         for w, raw in arrivals:
@@ -670,11 +642,6 @@ class SharedSemaphore(PositionedSemaphore):
         self._count()
         self._tell_all(now)
 
-    def _tell_all(self, now: float) -> None:
-        for position, d in enumerate(self._order(now), start=1):
-            if d in self._listeners and self._reported.get(d) != position:
-                self._tell(d, position)
-
     def adopt(self, old: PositionedSemaphore) -> None:
         """A reload gave a model more replicas: this gateway's waiters of `old` whose replicas
         are now this line's leave `old` and join this one, keeping their arrival time."""
@@ -683,21 +650,16 @@ class SharedSemaphore(PositionedSemaphore):
             request = old._requests.get(w)
             if request is None or d.called:
                 continue
-            want = request.want or _Want()
-            among = frozenset(self.members) if want.among is None else want.among
-            among = among.intersection(self.members)
-            if not among:
+            adoptable, want = self._want_here(request.want)
+            if not adoptable:
                 continue
+            request.want = want
             item = old._items.get(w)
             arrived = old.line.arrived(item)[2] if item in old.line else None
             old._give_up(w)
             old._listeners.pop(d, None)
             old._reported.pop(d, None)
-            old._moved[d] = self
-            d.addBoth(self._forget_move, old, d)
-            restricted = among if len(among) < len(self.members) else None
-            moved = _Want(restricted, want.avoid, want.session)
-            request.want = moved if moved != _Want() else None
+            self._moved_from(old, d)
             self._ask(request, arrived, d)
         old.members = [m for m in old.members if m.group is old]
         old._count()
