@@ -61,6 +61,7 @@ class Cluster:
         # leftovers of its previous life are swept, not mistaken for its own.
         self.instance = f"{config.instance}/{secrets.token_hex(4)}"
         self.lines: dict[str, SharedSemaphore] = {}
+        self._calls: dict[str, tuple[list[str], list[Any]]] = {}  # a line's script keys, args
         self.live = False
         self.lost_at: float | None = None
         self.last_error: str | None = None
@@ -232,8 +233,23 @@ class Cluster:
         """A new line (start, or a reload that grouped upstreams anew): while linked, its copy
         is read from Redis at once, and events it already has are skipped (`since`)."""
         self.lines[line.key] = line
+        waiting, slots = self._line_keys(line)
+        self._calls[line.key] = (
+            [self.key("events"), self.key("seq"), waiting, self.key("settling"), *slots],
+            [
+                STREAM_LENGTH,
+                line.key,
+                orjson.dumps(line.member_names).decode(),
+                self.key("lease", ""),
+            ],
+        )
         if self.live:
             ensureDeferred(self.rebuild([line])).addErrback(self._not_rebuilt)
+
+    def _line_keys(self, line: SharedSemaphore) -> tuple[str, list[str]]:
+        """The keys of `line`'s waiters and of its upstreams' slots (see `scripts`)."""
+        waiting = self.key("line", line.key, "waiting")
+        return waiting, [self.key("upstream", name, "slots") for name in line.member_names]
 
     def _not_rebuilt(self, failure: Any) -> None:
         """The link failed while reading a new line: the reconnection rebuilds every line."""
@@ -250,8 +266,8 @@ class Cluster:
             every = list(lines)
         keys = [self.key("events"), self.key("seq")]
         for line in every:
-            keys.append(self.key("line", line.key, "waiting"))
-            keys += [self.key("upstream", name, "slots") for name in line.member_names]
+            waiting, slots = self._line_keys(line)
+            keys += [waiting, *slots]
         reply = await self._eval("snapshot", keys, [])
         seq, last_id, now = int(reply[0]), reply[1], float(reply[2])
         if lines is None:
@@ -306,19 +322,7 @@ class Cluster:
         """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        keys = [
-            self.key("events"),
-            self.key("seq"),
-            self.key("line", line.key, "waiting"),
-            self.key("settling"),
-        ]
-        keys += [self.key("upstream", name, "slots") for name in line.member_names]
-        head = [
-            STREAM_LENGTH,
-            line.key,
-            orjson.dumps(line.member_names).decode(),
-            self.key("lease", ""),
-        ]
+        keys, head = self._calls[line.key]
         return ensureDeferred(self._eval(script, keys, [*head, *args]))
 
 
