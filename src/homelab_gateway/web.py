@@ -213,18 +213,19 @@ class GatewayApp:
         upstreams = {}
         for name, pool in self.pools.items():
             line, circuit = pool.slots, pool.replica.circuit
+            at = line.clock.seconds()  # the line's times are on its clock (Redis's, if shared)
             upstreams[name] = {
                 "slots": pool.replica.limit,
                 "in_use": pool.replica.held,
                 "health": circuit.state,
-                "down_since": _iso(circuit.down_since, now),
-                "retry_at": _iso(circuit.retry_at, now),
+                "down_since": _iso(circuit.down_since, at),
+                "retry_at": _iso(circuit.retry_at, at),
                 "last_error": circuit.last_error,
                 "fallback": pool.replica.fallback,
                 "models": models.get(name, []),
                 "line": line.name,
                 "waiting": len(line.waiting),
-                "waiting_by_class": line.line.waiting_by_class(now),
+                "waiting_by_class": line.line.waiting_by_class(at),
                 "waiting_by_client": line.line.waiting_by_client(),
             }
         lines = {}
