@@ -10,6 +10,9 @@ values cancels start-up):
 
     valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
         .venv/bin/python -m bench.inproc --requests 100
+
+`--tokens N` makes every request a stream of N content tokens instead (no reasoning), for the
+cost per token: the difference between two `--requests` values, divided by the tokens.
 """
 
 from __future__ import annotations
@@ -57,11 +60,11 @@ def exchange(port: int, request: bytes) -> Deferred[bytes]:
     return protocol.done
 
 
-def message(port: int, stream: bool) -> bytes:
+def message(port: int, stream: bool, tokens: int = 16) -> bytes:
     body = json.dumps(
         {
             "model": "fast",
-            "max_tokens": 16,
+            "max_tokens": tokens,
             "stream": stream,
             "messages": [{"role": "user", "content": "Say hello."}],
         }
@@ -74,10 +77,17 @@ def message(port: int, stream: bool) -> bytes:
     return head.encode() + body
 
 
-async def run(requests: int, profile: str | None) -> None:
-    stub = reactor.listenTCP(
-        0, stub_site(StubSettings(), reactor, StubLog(None)), interface="127.0.0.1"
-    )
+async def run(requests: int, profile: str | None, tokens: int | None) -> None:
+    settings = StubSettings()
+    if tokens is not None:
+        settings = StubSettings(reasoning_tokens=0, content_tokens=tokens)
+    stub = reactor.listenTCP(0, stub_site(settings, reactor, StubLog(None)), interface="127.0.0.1")
+
+    def ask(i: int) -> bytes:
+        if tokens is None:
+            return message(port, i % 2 == 0)
+        return message(port, True, tokens)
+
     document = {
         "upstreams": {"fast": {"url": f"http://127.0.0.1:{stub.getHost().port}/v1", "slots": 8}},
         "models": {"fast": {"upstream": "fast"}},
@@ -87,13 +97,13 @@ async def run(requests: int, profile: str | None) -> None:
     port = listening.getHost().port
     answers: list[bytes] = []
     for i in range(4):  # warm up: imports, the connection pool
-        answers.append(await exchange(port, message(port, i % 2 == 0)))
+        answers.append(await exchange(port, ask(i)))
     profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
     if profiler is not None:
         profiler.enable()
     for i in range(requests):
-        answers.append(await exchange(port, message(port, i % 2 == 0)))
+        answers.append(await exchange(port, ask(i)))
     if profiler is not None:
         profiler.disable()
     elapsed = time.perf_counter() - started
@@ -113,13 +123,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--tokens", type=int, default=None, help="stream N tokens per request")
     args = parser.parse_args()
 
     def stop(result: Any) -> Any:
         reactor.stop()
         return result
 
-    reactor.callWhenRunning(lambda: ensureDeferred(run(args.requests, args.profile)).addBoth(stop))
+    def work() -> None:
+        ensureDeferred(run(args.requests, args.profile, args.tokens)).addBoth(stop)
+
+    reactor.callWhenRunning(work)
     reactor.run()
 
 

@@ -29,6 +29,7 @@ from twisted.internet.interfaces import (
 )
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
+from twisted.web import http
 from twisted.web.client import (
     URI,
     BrowserLikePolicyForHTTPS,
@@ -43,8 +44,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IRequest, IResponse
 from zope.interface import implementer
 
+from homelab_gateway.chunks import ChunkedBody
 from homelab_gateway.errors import GatewayError
-from homelab_gateway.reads import ReadBatcher
 
 ERROR_BODY_LIMIT = 64 * 1024
 LINGER_AFTER_END = 1.0
@@ -448,6 +449,76 @@ def _reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+class WholeReads:
+    """Stands in for Twisted's chunked decoder of one response body, so that each socket read
+    reaches the body protocol as one piece (see `chunks`). Twisted's decoder stays behind it:
+    it decodes whatever was under way when this took over, and everything from the last chunk
+    on (trailers, the end of the body, errors), so the connection goes back to the pool as
+    Twisted would send it."""
+
+    def __init__(self, twisted_decoder: Any) -> None:
+        self._twisted = twisted_decoder
+        self._chunks = ChunkedBody()
+        self._caught_up = False
+
+    @classmethod
+    def install(cls, body_transport: Any) -> bool:
+        """Take over the chunked decoding of the body under `body_transport` (the transport
+        Twisted gives a response's body protocol, a proxy of the connection's). False where the
+        body is not chunked or the parser is not found (a test's in-memory transport): Twisted
+        then decodes alone and hands the body on chunk by chunk, as always."""
+        socket = getattr(body_transport, "_producer", None)
+        # Over TLS the transport is TLS's protocol, which wraps the HTTP client's; over TCP the
+        # socket's protocol is the endpoint's wrapper of the HTTP client's.
+        protocol = getattr(socket, "wrappedProtocol", None) or getattr(socket, "protocol", None)
+        protocol = getattr(protocol, "_wrappedProtocol", protocol)
+        parser = getattr(protocol, "_parser", None)
+        decoder = getattr(parser, "bodyDecoder", None)
+        if type(decoder) is not getattr(http, "_ChunkedTransferDecoder", None):
+            return False
+        parser.bodyDecoder = cls(decoder)
+        return True
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._caught_up:
+            data = self._catch_up(data)
+            if not data:
+                return
+        payload, rest = self._chunks.feed(data)
+        if payload:
+            self._twisted.dataCallback(payload)
+        if rest is not None:
+            self._twisted.dataReceived(rest)
+
+    def noMoreData(self) -> None:
+        """The connection ended: Twisted's decoder says whether the body was whole (it is
+        still at a chunk boundary unless the last chunk was handed to it)."""
+        self._twisted.noMoreData()
+
+    def _catch_up(self, data: bytes) -> bytes:
+        """Feed Twisted's decoder just enough to end the chunk it was in when this took over;
+        what is left starts at a size line, this decoder's to read."""
+        twisted = self._twisted
+        while data:
+            state = twisted.state
+            if state == "CHUNK_LENGTH" and not twisted._buffer:
+                self._caught_up = True
+                return data
+            if state == "BODY":
+                needed = twisted.length
+            elif state == "CRLF":
+                needed = 2 - len(twisted._buffer)
+            elif state == "CHUNK_LENGTH":
+                needed = data.find(b"\n") + 1 or len(data)
+            else:  # the last chunk's trailers, or past the end: Twisted's alone
+                self._chunks.hand_over()
+                self._caught_up = True
+                return data
+            twisted.dataReceived(data[:needed])
+            data = data[needed:]
+        return data
+
+
 @implementer(IPushProducer)
 class _BodyStream(Protocol):
     """Receives one response body; the producer `Backpressure` pauses (see `Upstream.stream`)."""
@@ -470,19 +541,16 @@ class _BodyStream(Protocol):
         self._lingering = False
         self._timer: IDelayedCall | None = None
         self._arm(idle_timeout)
-        self._reads = ReadBatcher(self._read)
         self.done: Deferred[None] = Deferred(lambda _: self._stop())
 
     def connectionMade(self) -> None:
-        self._reads.attach(self.transport)
+        WholeReads.install(self.transport)
         if self._on_producer is not None:
             self._on_producer(self)
 
     def dataReceived(self, data: bytes) -> None:
-        self._reads.add(data)
-
-    def _read(self, data: bytes) -> None:
-        """Everything one socket read brought: one timer reset and one `on_data` call."""
+        """A piece of the body: with `WholeReads` in place, everything one socket read brought
+        (one timer reset and one `on_data` call per read, not per token)."""
         if self.done.called:
             return
         self._arm(self._idle_timeout)
@@ -495,7 +563,6 @@ class _BodyStream(Protocol):
             self._stop()
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
-        self._reads.detach()
         self._disarm()
         if self.done.called:
             return
