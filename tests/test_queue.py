@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
@@ -59,6 +60,27 @@ class Queue(LLMSurface):
         self.assertTrue(all(r.content.closed for r in in_flight))
         await queued.closed
         self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
+    async def test_a_waiting_request_and_its_connection_keep_compact_attribute_dicts(
+        self,
+    ) -> None:
+        """A waiter's `Request` and channel keep their attributes in their class's shared key
+        table (a few hundred bytes), not a dict of their own (1.6 KB each): that happens when
+        their classes' instances set more than 30 names over their lives, which the slots of
+        `GatewayRequest` and `GatewayChannel` prevent (see `channel`)."""
+        finished = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await finished.closed  # a whole life, every name it sets, before the one measured
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.until_text("event: queue")
+        waiting = [r for r in self.servers.gateway.inflight._active if not r.finished]
+        for request in waiting:
+            self.assertLess(sys.getsizeof(vars(request)), 1000)
+            self.assertLess(sys.getsizeof(vars(request.channel)), 1000)
+        await queued.closed
         await self.drain(busy)
 
     @async_test
