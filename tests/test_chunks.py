@@ -11,10 +11,10 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from OpenSSL import crypto
 from twisted.internet import reactor, ssl
 from twisted.protocols.policies import WrappingFactory
 from twisted.trial.unittest import TestCase
@@ -202,7 +202,7 @@ class _ManyChunks(Resource):
 
 
 def localhost_certificate() -> tuple[Any, Any]:
-    """A self-signed certificate for `localhost` (pyOpenSSL objects, as Twisted takes them)."""
+    """A self-signed certificate for `localhost`: its key and the certificate."""
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.now(UTC)
@@ -218,7 +218,7 @@ def localhost_certificate() -> tuple[Any, Any]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(private, hashes.SHA256())
     )
-    return crypto.PKey.from_cryptography_key(private), crypto.X509.from_cryptography(certificate)
+    return private, certificate
 
 
 class OneCallPerRead(TestCase):
@@ -268,6 +268,8 @@ class OneCallPerRead(TestCase):
             servers.ports.append(port)
             return port.getHost().port
 
-        policy = BrowserLikePolicyForHTTPS(trustRoot=ssl.Certificate(certificate))
+        policy = BrowserLikePolicyForHTTPS(
+            trustRoot=ssl.Certificate.loadPEM(certificate.public_bytes(Encoding.PEM))
+        )
         agent = Agent(reactor, contextFactory=policy, pool=self._pool())
         await self._stream_twice("https", agent, listen)
