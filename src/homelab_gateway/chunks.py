@@ -25,7 +25,7 @@ from enum import Enum
 # A size line this decoder takes: hex digits only (no extension, no whitespace), at most 16 of
 # them; what Twisted's `_hexint` accepts is a superset, and the rest goes to Twisted.
 _SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,16})\r\n")
-# A partial size line longer than this cannot become one `_SIZE` accepts.
+# A partial size line longer than this cannot become one `_SIZE_LINE` accepts.
 _LONGEST_SIZE_LINE = 17
 
 
