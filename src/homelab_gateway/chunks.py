@@ -87,16 +87,9 @@ class ChunkedBody:
                     pieces.append(data[start:stop])
                     pos = stop + 2
                     continue
-                if stop <= end:
-                    pieces.append(data[start:stop])
-                    state = _State.CRLF
-                    self._crlf = b"\r\n"
-                    pos = stop
-                else:
-                    pieces.append(data[start:])
-                    state = _State.DATA
-                    self._left = stop - end
-                    pos = end
+                state = _State.DATA  # the read ends within this chunk: taken as it comes
+                self._left = size
+                pos = start
             elif state is _State.DATA:
                 stop = pos + self._left
                 if stop <= end:
