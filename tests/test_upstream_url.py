@@ -1,4 +1,5 @@
-"""The /llm client encodes each upstream URL once and sends exactly what treq would."""
+"""The /llm client encodes each upstream URL once and sends exactly what treq would, and
+never keeps or sends a cookie."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any
 import pytest
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.web.client import URI
 from twisted.web.error import SchemeNotSupported
+from twisted.web.http_headers import Headers
 
 from homelab_gateway.upstream import EndpointPerHost, llm_http
 
@@ -18,10 +20,31 @@ from homelab_gateway.upstream import EndpointPerHost, llm_http
 class RecordingAgent:
     def __init__(self) -> None:
         self.uris: list[bytes] = []
+        self.headers: list[Headers] = []
 
     def request(self, method: bytes, uri: bytes, headers: Any = None, body: Any = None) -> Any:
         self.uris.append(uri)
+        self.headers.append(headers)
         return Deferred()
+
+
+class CookieSettingAgent(RecordingAgent):
+    """Answers every request at once with a `Set-Cookie` an ordinary jar would keep."""
+
+    def request(self, method: bytes, uri: bytes, headers: Any = None, body: Any = None) -> Any:
+        super().request(method, uri, headers, body)
+        response = _Answer(Headers({b"set-cookie": [b"session=abc; Path=/"]}))
+        return succeed(response)
+
+
+class _Answer:
+    code = 200
+    phrase = b"OK"
+    version = (b"HTTP", 1, 1)
+    length = 0
+
+    def __init__(self, headers: Headers) -> None:
+        self.headers = headers
 
 
 URLS = [
@@ -55,3 +78,13 @@ def test_one_endpoint_per_host_for_every_request() -> None:
     assert not isinstance(tls, HostnameEndpoint)  # TLS wrapped around the TCP endpoint
     with pytest.raises(SchemeNotSupported):
         endpoints.endpointForURI(URI.fromBytes(b"ftp://box/file"))
+
+
+def test_no_cookie_is_kept_or_sent() -> None:
+    agent = CookieSettingAgent()
+    client = llm_http(agent)  # type: ignore[arg-type]
+    url = "http://127.0.0.1:8000/v1/chat/completions"
+    for _ in range(2):
+        client.request("POST", url, data=b"{}", unbuffered=True, allow_redirects=False)
+    assert [h.getRawHeaders(b"cookie") for h in agent.headers] == [None, None]
+    assert list(client._cookiejar) == []  # type: ignore[attr-defined]

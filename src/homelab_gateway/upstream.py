@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from http.cookiejar import DefaultCookiePolicy
 from typing import Any
 
 from hyperlink import EncodedURL
@@ -156,14 +155,31 @@ class EndpointPerHost:
         return endpoint
 
 
+class _NoCookies(IndexableCookieJar):
+    """A cookie jar that never holds a cookie: a jar shared by every client of the gateway
+    must never carry one client's state. treq's `CookieAgent` still asks it on every request
+    and response; with nothing ever to find, it does not look (a refusing policy made the
+    stdlib jar take its lock, sweep for expired cookies and parse `Set-Cookie` headers only to
+    keep none)."""
+
+    def set_cookie(self, cookie: Any) -> None:
+        """Kept by no request."""
+
+    def add_cookie_header(self, request: Any) -> None:
+        """There is never a cookie to send."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        """An upstream's `Set-Cookie` is never kept."""
+
+
+NO_COOKIES = _NoCookies()
+"""The jar of every /llm request's own cookies (none): given a dict or nothing, treq builds a
+fresh stdlib jar per request (a policy object and a lock) to merge into the client's."""
+
+
 def llm_http(agent: IAgent) -> HTTPClient:
-    """treq for the /llm surface, with redirects off and a cookie jar that takes no cookies
-    (a jar shared by every client of the gateway must never carry one client's state)."""
-    return _EncodedOnceClient(
-        agent,
-        cookiejar=IndexableCookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
-        data_to_body_producer=BytesProducer,
-    )
+    """treq for the /llm surface, with redirects off and a cookie jar that takes no cookies."""
+    return _EncodedOnceClient(agent, cookiejar=_NoCookies(), data_to_body_producer=BytesProducer)
 
 
 class _EncodedURL(EncodedURL):
@@ -181,8 +197,9 @@ class _EncodedURL(EncodedURL):
 
 
 class _EncodedOnceClient(HTTPClient):
-    """treq's client, with each URL string encoded the first time it is asked for: the
-    bytes on the wire are treq's own encoding of that string."""
+    """treq's client, with each URL string encoded the first time it is asked for (the
+    bytes on the wire are treq's own encoding of that string) and no cookie jar of its own
+    built for each request."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -197,6 +214,7 @@ class _EncodedOnceClient(HTTPClient):
                 encoded.text = text
                 self._encoded[url] = encoded
             url = encoded
+        kwargs.setdefault("cookies", NO_COOKIES)
         return super().request(method, url, **kwargs)
 
 
