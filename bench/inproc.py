@@ -13,6 +13,11 @@ values cancels start-up):
 
 `--tokens N` makes every request a stream of N content tokens instead (no reasoning), for the
 cost per token: the difference between two `--requests` values, divided by the tokens.
+
+`--direct` sends the stub, on a new connection each, the chat-completions request the gateway
+would send upstream for each of them, with no gateway: the same count for the stub and the
+client alone, to subtract from the gateway's. The gateway keeps its upstream connection open,
+so the difference leaves out the stub's work to accept one, and is a floor of the gateway's own.
 """
 
 from __future__ import annotations
@@ -77,13 +82,34 @@ def message(port: int, stream: bool, tokens: int = 16) -> bytes:
     return head.encode() + body
 
 
-async def run(requests: int, profile: str | None, tokens: int | None) -> None:
+def upstream_message(port: int) -> bytes:
+    """What the gateway sends the stub for `message` (streamed either way, as it always is)."""
+    body = json.dumps(
+        {
+            "model": "fast",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 16,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def run(requests: int, profile: str | None, tokens: int | None, direct: bool) -> None:
     settings = StubSettings()
     if tokens is not None:
         settings = StubSettings(reasoning_tokens=0, content_tokens=tokens)
     stub = reactor.listenTCP(0, stub_site(settings, reactor, StubLog(None)), interface="127.0.0.1")
 
     def ask(i: int) -> bytes:
+        if direct:
+            return upstream_message(port)
         if tokens is None:
             return message(port, i % 2 == 0)
         return message(port, True, tokens)
@@ -95,6 +121,8 @@ async def run(requests: int, profile: str | None, tokens: int | None) -> None:
     gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
     listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1")
     port = listening.getHost().port
+    if direct:
+        port = stub.getHost().port
     answers: list[bytes] = []
     for i in range(4):  # warm up: imports, the connection pool
         answers.append(await exchange(port, ask(i)))
@@ -124,6 +152,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--tokens", type=int, default=None, help="stream N tokens per request")
+    parser.add_argument("--direct", action="store_true", help="the stub alone, no gateway")
     args = parser.parse_args()
 
     def stop(result: Any) -> Any:
@@ -131,7 +160,7 @@ def main() -> None:
         return result
 
     def work() -> None:
-        ensureDeferred(run(args.requests, args.profile, args.tokens)).addBoth(stop)
+        ensureDeferred(run(args.requests, args.profile, args.tokens, args.direct)).addBoth(stop)
 
     reactor.callWhenRunning(work)
     reactor.run()
