@@ -19,6 +19,7 @@ from twisted.logger import globalLogPublisher
 from twisted.protocols.policies import WrappingFactory
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway.channel import send_at_once
 from homelab_gateway.config import Config, parse_config
 from homelab_gateway.service import Gateway
 from homelab_gateway.stub import StubLog, StubResource, StubSettings, stub_site
@@ -89,6 +90,7 @@ class Servers:
         config: Config = parse_config(document, source="<test>", environ=environ)
         self.gateway = Gateway(config, reactor)
         port = self.listen(self.gateway.site)
+        send_at_once(self.ports[-1])  # as the daemon's own listening port does
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.gateway_port = port
         return self.gateway_url

@@ -29,7 +29,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent
 
 from homelab_gateway.access import AccessPolicy
-from homelab_gateway.channel import GatewaySite, WireLimits
+from homelab_gateway.channel import GatewaySite, WireLimits, send_at_once
 from homelab_gateway.cluster import Cluster
 from homelab_gateway.config import (
     Config,
@@ -426,6 +426,7 @@ class GatewayService(Service):
         try:
             endpoint = serverFromString(self.reactor, with_backlog(self.listen))
             self.port = listen_now(endpoint, self.gateway.site)
+            send_at_once(self.port)
         except CannotListenError as e:
             raise SystemExit(
                 f"homelab-gateway: cannot listen on {self.listen!r}: {e.socketError or e}"
