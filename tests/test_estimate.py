@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -35,6 +35,8 @@ def test_each_slot_frees_when_its_hold_reaches_the_mean_then_every_mean() -> Non
     st.floats(0.1, 1000),
     st.integers(1, 200),
 )
+# Found by CI: the last place of a round came out an ulp after the first of the next.
+@example(held=[0.0], slots=8, mean=103.024615610838, position=48)
 def test_a_later_place_never_waits_less_and_a_round_later_waits_one_mean_more(
     held: list[float], slots: int, mean: float, position: int
 ) -> None:

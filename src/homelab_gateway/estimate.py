@@ -47,4 +47,7 @@ def wait(position: int, held_for: Iterable[float], slots: int, mean: float) -> f
     frees = [max(0.0, mean - held) for held in held_for]
     frees = sorted(frees + [0.0] * (slots - len(frees)))[:slots]
     rounds, index = divmod(position - 1, slots)
-    return frees[index] + rounds * mean
+    # In means, not seconds: a slot free in exactly one mean then adds 1.0 to a whole number,
+    # which is exact, so the last place of a round never comes out an ulp later than the first
+    # of the next (`f + r * mean` could), and a later place never waits less.
+    return mean * (rounds + frees[index] / mean)
