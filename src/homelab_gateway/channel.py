@@ -76,10 +76,10 @@ class SendAtOnce(tcp.Server):
         ):
             try:
                 sent = self.socket.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
             except OSError:
-                sent = 0  # buffered below: Twisted's own send then meets the error and closes
+                # No room now (EAGAIN) or a broken socket: buffered below, where Twisted's own
+                # send waits for room, or meets the error and closes the connection.
+                sent = 0
             if sent == len(data):
                 return
             data = data[sent:]
