@@ -82,13 +82,13 @@ def message(port: int, stream: bool, tokens: int = 16) -> bytes:
     return head.encode() + body
 
 
-def upstream_message(port: int) -> bytes:
+def upstream_message(port: int, tokens: int = 16) -> bytes:
     """What the gateway sends the stub for `message` (streamed either way, as it always is)."""
     body = json.dumps(
         {
             "model": "fast",
             "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 16,
+            "max_tokens": tokens,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
@@ -108,11 +108,9 @@ async def run(requests: int, profile: str | None, tokens: int | None, direct: bo
     stub = reactor.listenTCP(0, stub_site(settings, reactor, StubLog(None)), interface="127.0.0.1")
 
     def ask(i: int) -> bytes:
-        if direct:
-            return upstream_message(port)
         if tokens is None:
-            return message(port, i % 2 == 0)
-        return message(port, True, tokens)
+            return upstream_message(port) if direct else message(port, i % 2 == 0)
+        return upstream_message(port, tokens) if direct else message(port, True, tokens)
 
     document = {
         "upstreams": {"fast": {"url": f"http://127.0.0.1:{stub.getHost().port}/v1", "slots": 8}},
