@@ -11,7 +11,6 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.limiter import PositionedSemaphore
@@ -21,6 +20,7 @@ from tests.helpers import (
     PROMPTLY,
     RawResponse,
     Servers,
+    SoonerResetClock,
     chat,
     gateway_document,
     raw_request,
@@ -59,7 +59,7 @@ class FakeRequest:
 
 class Pushing(TestCase):
     def setUp(self) -> None:
-        self.clock = Clock()
+        self.clock = SoonerResetClock()
         self.clock.advance(1000)
         self.slots = PositionedSemaphore(1, self.clock)
         self.document: dict[str, Any] = {"upstreams": {"vllm": {"slots": 1, "waiting": 0}}}
@@ -121,6 +121,7 @@ class Pushing(TestCase):
         self.assertEqual(len(request.written), 2)
         self.clock.advance(0.01)
         self.assertEqual(len(request.written), 3)
+        self.assertEqual(self.clock.moved_sooner, 0, "the heartbeat's timer was moved sooner")
 
     def test_frames_every_live_interval_while_someone_waits_then_idle_again(self) -> None:
         request = FakeRequest()

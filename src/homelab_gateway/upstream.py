@@ -614,12 +614,17 @@ class _BodyStream(Protocol):
         """The answer is complete: the caller goes on now; the rest of the body is read and
         dropped for `LINGER_AFTER_END`, then the connection is closed if it has not ended."""
         self._lingering = True
+        self._disarm()  # a new timer: `reset` to a sooner time searches the reactor's timer heap
         self._arm(LINGER_AFTER_END)
         self.done.callback(None)
         if self._paused:
             self.resumeProducing()  # nobody pauses it any more; let the body's end arrive
 
     def _arm(self, seconds: float) -> None:
+        """(Re)start the timer `seconds` from now. Only ever later than it stood: Twisted's
+        `DelayedCall.reset` to a later time is a field update, but to a sooner one the reactor
+        finds the call by a linear search of every pending timer (`_moveCallLaterSooner`):
+        about 3 ms per answer's end with 5,000 waiters, each with its deadlines, in the heap."""
         if self._timer is not None and self._timer.active():
             self._timer.reset(seconds)
         else:
