@@ -13,6 +13,10 @@ gateway process alone where they are costs:
 - gateway CPU per request, from the first connect to the line drained;
 - KB of gateway RSS per waiting stream, all of them waiting;
 - queue frames per second of waiting, per client (median, p95, max).
+
+With `--distinct`, each of them is a client of its own for the line's fair share (its own
+`X-Forwarded-For` address, the gateway trusting loopback as its proxy), as behind a reverse
+proxy with that many users; by default they are all one client (one loopback address).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from typing import Any
 from bench.client import Result, get_json, percentile, request
 
 CONFIG = """
+[server]
+trusted_proxies = {trusted}
+
 [upstreams.queue]
 url = "{stub}"
 slots = 2
@@ -73,7 +80,14 @@ async def wait_queue(gateway: str, condition: Any, timeout: float = 120.0) -> di
         await asyncio.sleep(0.05)
 
 
-async def burst(gateway: str, stats: Any, n: int, stub_log: Path) -> dict[str, Any]:
+def forwarded_for(i: int) -> dict[str, str]:
+    """Client `i`'s own address, as a reverse proxy would say it."""
+    return {"X-Forwarded-For": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"}
+
+
+async def burst(
+    gateway: str, stats: Any, n: int, stub_log: Path, distinct: bool = False
+) -> dict[str, Any]:
     url = gateway + "/llm/v1/messages"
     release = asyncio.Event()
     blockers = [
@@ -84,7 +98,14 @@ async def burst(gateway: str, stats: Any, n: int, stub_log: Path) -> dict[str, A
     rss_before, cpu_before = stats.rss_kb(), stats.cpu_seconds()
     started = time.monotonic()
     clients = [
-        asyncio.create_task(request(url, body("content-only", tag=f"c-{i}"))) for i in range(n)
+        asyncio.create_task(
+            request(
+                url,
+                body("content-only", tag=f"c-{i}"),
+                headers=forwarded_for(i) if distinct else None,
+            )
+        )
+        for i in range(n)
     ]
     await wait_queue(gateway, lambda s: s["waiting"] + sum(c.done() for c in clients) >= n)
     all_queued = time.monotonic() - started
@@ -101,6 +122,7 @@ async def burst(gateway: str, stats: Any, n: int, stub_log: Path) -> dict[str, A
 
     return {
         "clients": n,
+        "distinct_clients": distinct,
         "slots": 2,
         **outcome(results, [f"c-{i}" for i in range(n)], stub_log),
         "seconds_until_all_queued": round(all_queued, 2),
@@ -159,7 +181,7 @@ def outcome(results: list[Result], tags: list[str], stub_log: Path) -> dict[str,
     }
 
 
-def run(workdir: Path, n: int) -> dict[str, Any]:
+def run(workdir: Path, n: int, distinct: bool = False) -> dict[str, Any]:
     from bench.__main__ import ProcessStats
     from tests.processes import start_gateway, start_stub
 
@@ -168,9 +190,10 @@ def run(workdir: Path, n: int) -> dict[str, Any]:
         workdir, "--reasoning-tokens", "0", "--content-tokens", "8", "--log", str(log)
     )
     try:
-        gateway, url = start_gateway(workdir, CONFIG.format(stub=stub_url))
+        trusted = '["127.0.0.1/32"]' if distinct else "[]"
+        gateway, url = start_gateway(workdir, CONFIG.format(stub=stub_url, trusted=trusted))
         try:
-            return asyncio.run(burst(url, ProcessStats(gateway.popen.pid), n, log))
+            return asyncio.run(burst(url, ProcessStats(gateway.popen.pid), n, log, distinct))
         finally:
             gateway.stop()
     finally:
@@ -180,9 +203,12 @@ def run(workdir: Path, n: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=5000)
+    parser.add_argument(
+        "--distinct", action="store_true", help="every client its own address (fair share)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        report = run(Path(workdir), args.clients)
+        report = run(Path(workdir), args.clients, args.distinct)
     json.dump(report, sys.stdout, indent=2)
     print()
 
