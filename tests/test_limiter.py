@@ -178,6 +178,53 @@ class Rises(TestCase):
         self.clock.advance(0.5)
         self.assertEqual(nightly, [1, 2, 1])
 
+    def test_an_adopted_waiter_ageing_past_one_of_the_new_line_tells_it_at_once(self) -> None:
+        """A reload moves a batch waiter into a line whose waiters it will overtake by ageing;
+        nothing else joins after it, so the adoption itself must set the aging timer."""
+        old = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=10.0)
+        self.addCleanup(old.close)
+        old.acquire_in_line(client="x")
+        nightly: list[int] = []
+        old.acquire_in_line(nightly.append, client="nightly", rank=BATCH)
+        self.sem.acquire_in_line(client="x")
+        self.clock.advance(5)
+        _, chat = self.waiter("chat")
+        self.sem.adopt(old)
+        self.assertEqual((chat, nightly), ([1], [1, 2]))
+        self.clock.advance(0.5)  # the pass the adoption scheduled: nothing moved
+        self.clock.advance(4.5)  # nightly has waited 10 s: served as normal, it arrived first
+        self.assertEqual(chat, [1, 2])
+
+    def test_an_adopted_waiter_that_ages_before_the_new_lines_timer_moves_it_sooner(self) -> None:
+        """The new line's timer waits for its own waiters' crossing at 15 s; the adopted one,
+        older, crosses at 10 s."""
+        old = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=10.0)
+        self.addCleanup(old.close)
+        old.acquire_in_line(client="x")
+        nightly: list[int] = []
+        old.acquire_in_line(nightly.append, client="nightly", rank=BATCH)
+        self.sem.acquire_in_line(client="x")
+        self.clock.advance(5)
+        (_, chat), (_, pal) = self.waiter("chat"), self.waiter("pal")
+        self.sem.adopt(old)
+        self.assertEqual((chat, pal, nightly), ([1], [2], [1, 3]))
+        self.clock.advance(0.5)
+        self.clock.advance(4.5)
+        self.assertEqual((chat, pal), ([1, 2], [2, 3]))
+
+    def test_joins_look_at_every_queue_for_the_aging_timer_only_without_one(self) -> None:
+        """With a timer set, a newcomer adds only its own crossing: looking at every queue
+        on each join made 5,000 clients waiting once each quadratic."""
+        looks = []
+        next_aging = self.sem.line.next_aging
+        self.sem.line.next_aging = lambda now: looks.append(now) or next_aging(now)  # type: ignore[method-assign]
+        self.sem.acquire_in_line(client="x")
+        for i in range(100):
+            self.waiter(f"client-{i}")
+        self.assertEqual(len(looks), 2, "one with a single queue (no timer), one to set it")
+        self.clock.advance(10)  # the first crossing: the timer looks again, once
+        self.assertEqual(len(looks), 3)
+
     def test_a_release_whose_correction_moves_a_client_back_tells_it_at_once(self) -> None:
         """Both clients were charged 1 s a grant; a's slot was held 10 s, so a's waiters go
         behind b's."""

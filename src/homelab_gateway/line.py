@@ -333,6 +333,18 @@ class Line(Generic[T]):
                         soonest = at
         return soonest
 
+    def next_crossing(self, item: T, now: float) -> float | None:
+        """The first moment after `now` at which the waiter `item` is served as a better
+        class: all that a newcomer adds to `next_aging`, without looking at anyone else."""
+        if self.aging is None:
+            return None
+        waiter = self._waiters[item]
+        for steps in range(1, waiter.rank + 1):
+            at = _crossing(waiter, waiter.rank - steps, steps * self.aging, self.aging)
+            if at > now:
+                return at
+        return None
+
     def waiting_by_class(self, now: float) -> dict[str, int]:
         """Waiters per class they would be served as now (aging included)."""
         counts = dict.fromkeys(CLASSES, 0)
