@@ -212,6 +212,20 @@ class Rises(TestCase):
         self.clock.advance(4.5)
         self.assertEqual((chat, pal), ([1, 2], [2, 3]))
 
+    def test_clients_waiting_once_each_join_without_a_walk(self) -> None:
+        """Each goes last (`Line.goes_last`): its place is the line's length and nobody moved,
+        so no walk of the order per join (quadratic for thousands of clients at once)."""
+        walks = []
+        order = self.sem.line.order
+        self.sem.line.order = lambda now: walks.append(now) or order(now)  # type: ignore[method-assign]
+        self.sem.acquire_in_line(client="x")
+        waiters = [self.waiter(f"client-{i}") for i in range(50)]
+        self.assertEqual(walks, [])
+        self.assertEqual([seen for _, seen in waiters], [[i] for i in range(1, 51)])
+        _, chat = self.waiter("chat", INTERACTIVE)  # one that goes ahead still walks
+        self.assertEqual((chat, len(walks)), ([1], 1))
+        self.assertEqual(waiters[-1][1], [50, 51])
+
     def test_joins_look_at_every_queue_for_the_aging_timer_only_without_one(self) -> None:
         """With a timer set, a newcomer adds only its own crossing: looking at every queue
         on each join made 5,000 clients waiting once each quadratic."""

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
@@ -146,6 +146,8 @@ class LineMovesNobodyBackButWhenItSays(TestCase):
                 self.assertEqual(after[:place], before[:place], "moved someone ahead of it")
                 if place == len(before):
                     self.assertEqual(after[:place], before, "went last yet moved someone")
+                elif line.goes_last(n, now):
+                    self.fail("said to go last, but goes ahead of someone")
             elif op[0] == "pop":
                 head = line.head(now)
                 popped = line.pop(now)
@@ -174,6 +176,82 @@ class LineMovesNobodyBackButWhenItSays(TestCase):
                     self.assertEqual(list(line.order(math.nextafter(at, -math.inf))), before)
                     self.assertNotEqual(line.waiting_by_class(at), line.waiting_by_class(now))
                 now = until
+
+
+goes_last_op = st.one_of(
+    st.tuples(
+        st.just("join"),
+        st.sampled_from(["a", "b", "c", "new"]),  # "new": a client never seen before
+        st.sampled_from([INTERACTIVE, NORMAL, BATCH]),
+        st.sampled_from([0.0, 0.0, 0.0, 1.0]),  # arrived that long ago (a reload's adoption)
+    ),
+    st.tuples(st.just("pop"), st.sampled_from([0.0, 0.5, 1.0, 4.0])),
+    st.tuples(st.just("admit"), st.sampled_from(["a", "b", "new"]), st.sampled_from([0.0, 3.0])),
+    st.tuples(st.just("leave"), st.integers(0, 60)),
+    st.tuples(st.just("settle"), st.integers(0, 60)),
+    st.tuples(st.just("wait"), st.sampled_from([0.0, 0.0, 0.3, 2.5])),
+)
+
+
+class GoesLast(TestCase):
+    """`Line.goes_last` lets a newcomer skip the walk that would find its place: it must never
+    say so of one that does not end the order, and must say so in the case it is for."""
+
+    @settings(max_examples=400)
+    @example([("join", "b", NORMAL, 0.0)] * 2 + [("join", "a", NORMAL, 0.0)], None, {})
+    @example([("join", "b", NORMAL, 0.0), ("join", "a", NORMAL, 1.0)], None, {})
+    @example(
+        [("admit", "b", 0.0), ("join", "b", NORMAL, 0.0), ("join", "a", NORMAL, 0.0)], None, {}
+    )
+    @example(  # a tie with a newer client's waiter; `a` was kept (it owed), V has passed it
+        [
+            ("admit", "a", 0.0),
+            ("admit", "b", 0.0),
+            ("admit", "b", 0.0),
+            ("join", "new", NORMAL, 0.0),
+            ("join", "a", NORMAL, 0.0),
+        ],
+        None,
+        {},
+    )
+    @given(
+        st.lists(goes_last_op, max_size=80),
+        st.sampled_from([None, 1.0]),
+        st.sampled_from([{}, {"a": 3.0}]),
+    )
+    def test_only_of_a_newcomer_that_ends_the_order(
+        self, ops: list[Any], aging: float | None, weights: dict[str, float]
+    ) -> None:
+        line: Line[int] = Line(aging=aging, weights=weights)
+        now = 0.0
+        grants: list[tuple[Any, float]] = []
+        for n, op in enumerate(ops):
+            if op[0] == "join":
+                line.join(n, f"new-{n}" if op[1] == "new" else op[1], op[2], now - op[3])
+                if line.goes_last(n, now):
+                    self.assertEqual(list(line.order(now))[-1], n)
+            elif op[0] == "pop":
+                popped = line.pop(now)
+                if popped is not None:
+                    grants.append((popped[1], op[1]))
+            elif op[0] == "admit":
+                grant = line.admit(f"new-{n}" if op[1] == "new" else op[1], NORMAL, now)
+                grants.append((grant, op[2]))
+            elif op[0] == "leave" and len(line):
+                line.leave(list(line.order(now))[op[1] % len(line)])
+            elif op[0] == "settle" and grants:
+                line.settle(*grants.pop(op[1] % len(grants)))
+            elif op[0] == "wait":
+                now += op[1]
+
+    def test_thousands_of_clients_waiting_once_each_go_last_as_they_come(self) -> None:
+        line: Line[int] = Line(aging=120.0)
+        line.admit("earlier", NORMAL, 0.0)  # a client that owes slot time but does not wait
+        for i in range(2000):
+            line.join(i, f"client-{i}", NORMAL, i * 0.001)
+            self.assertTrue(line.goes_last(i, i * 0.001))
+        line.join(2000, "client-7", NORMAL, 2.0)  # a second waiter starts after V
+        self.assertFalse(line.goes_last(2000, 2.0))
 
 
 @dataclass

@@ -27,7 +27,9 @@ correction) or a cancel (a client's later waiters and the virtual time move up).
 followed, in the same reactor turn, by one walk of the order that tells only the waiters whose
 position rose (for a newcomer, only those behind it). Everything else (a grant, a newcomer that
 goes last, any change while one client waits, so the plain FIFO of one client and one class)
-walks nothing extra. A newcomer is told its exact position at once,
+walks nothing extra; a newcomer's own place takes a walk unless the line can tell that it goes
+last (`Line.goes_last`: one client's FIFO, or many clients waiting once each). A newcomer is
+told its exact position at once,
 and the waiter that gets a slot is told position 1 first if it had not been, so a client always
 sees its position reach 1 before its answer starts.
 """
@@ -348,7 +350,11 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _place(self, d: Deferred[Slot], now: float) -> None:
         """Tell a newcomer its place and, in the same walk, those it went ahead of their new
-        one: nobody ahead of it moved."""
+        one: nobody ahead of it moved. One that goes last (`Line.goes_last`) moves nobody."""
+        if d in self.line and self.line.goes_last(d, now):
+            if d in self._listeners:
+                self._tell(d, len(self.waiting))
+            return
         places = enumerate(self._order(now), start=1)
         position = next(place for place, waiter in places if waiter is d)
         if d in self._listeners:

@@ -25,7 +25,8 @@ What can move a waiter *back* (a higher position) matters to the limiter, which 
 once, so the line tells it, and the tests hold it to this:
 
 - `join` moves back only those behind the newcomer in the new order: everyone ahead keeps
-  their place. A newcomer that goes last moves nobody.
+  their place. A newcomer that goes last moves nobody; `goes_last` tells that without a walk
+  in the common cases.
 - `pop` takes the head of `order` and leaves the rest in the same order.
 - `leave` and `settle` can move anyone either way, but only while more than one client waits
   (one client's order is its classes and arrival times alone), and `settle` only when its own
@@ -102,6 +103,15 @@ class Line(Generic[T]):
         self._virtual = 0.0
         self._queues = 0  # non-empty (client, class) FIFOs
         self._busy = 0  # clients with a waiter
+        # For `goes_last`, kept up to date as the line changes: clients with more than one
+        # waiter, waiters per class, the latest arrival (and how many joined at it), and the
+        # waiting clients whose finish may be past V (a lazy max-heap: -finish, count, name).
+        self._crowded = 0
+        self._by_rank = [0] * len(CLASSES)
+        self._latest = -math.inf
+        self._at_latest = 0
+        self._owing: list[tuple[float, int, str]] = []
+        self._owed = 0
 
     def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
         """New aging and weights (config reload): waiters keep their place in their queues; the
@@ -144,6 +154,15 @@ class Line(Generic[T]):
         if not state.waiting:
             self._busy += 1
         state.waiting += 1
+        if state.waiting == 1:
+            self._owes(client, state)
+        elif state.waiting == 2:
+            self._crowded += 1
+        self._by_rank[rank] += 1
+        if now > self._latest:
+            self._latest, self._at_latest = now, 1
+        elif now == self._latest:
+            self._at_latest += 1
 
     def leave(self, item: T) -> bool:
         """Remove a waiter that gave up (cancelled, timed out). O(its client's queue). True if
@@ -168,6 +187,9 @@ class Line(Generic[T]):
         state.waiting -= 1
         if not state.waiting:
             self._busy -= 1
+        elif state.waiting == 1:
+            self._crowded -= 1
+        self._by_rank[waiter.rank] -= 1
         if not state.queues[waiter.rank]:
             del state.queues[waiter.rank]
             self._queues -= 1
@@ -209,6 +231,7 @@ class Line(Generic[T]):
         state.finish = start + state.estimate / state.weight
         grant = Grant(waiter.client, rank, state.estimate)
         self._forget(state, waiter)
+        self._owes(waiter.client, state)
         return waiter.item, grant
 
     def take(self, item: T, now: float) -> tuple[Grant, bool]:
@@ -225,6 +248,7 @@ class Line(Generic[T]):
             state.estimate,
         )
         self._forget(state, waiter)
+        self._owes(waiter.client, state)
         return grant, self._busy > 1
 
     def arrived(self, item: T) -> tuple[str, int, float]:
@@ -239,6 +263,7 @@ class Line(Generic[T]):
         start = max(self._virtual, state.finish)
         self._virtual = start
         state.finish = start + state.estimate / state.weight
+        self._owes(client, state)
         return Grant(client, rank, state.estimate)
 
     def charging_moves(self, client: str) -> bool:
@@ -258,7 +283,60 @@ class Line(Generic[T]):
             if state.finish <= self._virtual:
                 del self._clients[grant.client]
             return False
+        self._owes(grant.client, state)
         return self._busy > 1
+
+    def _owes(self, name: str, state: _Client) -> None:
+        """Note a waiting client whose finish is past V (`goes_last` looks at the largest);
+        the heap is rebuilt when stale entries outnumber the clients that wait."""
+        if not state.waiting or state.finish <= self._virtual:
+            return
+        self._owed += 1
+        heapq.heappush(self._owing, (-state.finish, self._owed, name))
+        if len(self._owing) > 2 * self._busy + 64:
+            self._owing = [
+                (-c.finish, n, name)
+                for n, (name, c) in enumerate(self._clients.items())
+                if c.waiting and c.finish > self._virtual
+            ]
+            heapq.heapify(self._owing)
+
+    def goes_last(self, item: T, now: float) -> bool:
+        """Whether `order(now)` ends with the waiter `item`, answered in O(1) amortized for
+        the common case and False when unsure (then only a walk of the order knows): a
+        newcomer that goes last moves nobody, and its place is the line's length.
+
+        The case: `item` is its client's only waiter, no client waits twice (a client's
+        second waiter would start after V), nobody of a worse class waits, no waiting client
+        owes slot time, its own included (every start is V, and serving them keeps V), and it
+        arrived last (on a tie, its client is the newest, as the order breaks ties). Then
+        everyone else's key, when their turn comes, is a class no worse, V and an earlier
+        arrival: thousands of clients waiting once each, as behind a reverse proxy, join
+        without a walk of the order each."""
+        waiter = self._waiters[item]
+        state = self._clients[waiter.client]
+        if state.waiting != 1 or self._crowded:
+            return False
+        rank = effective_rank(waiter.rank, now - waiter.arrived, self.aging)
+        if any(self._by_rank[rank + 1 :]):
+            return False
+        if waiter.arrived != self._latest:
+            return False
+        if self._at_latest > 1 and next(reversed(self._clients)) != waiter.client:
+            return False
+        owing = self._owing
+        while owing:
+            finish, _, name = owing[0]
+            client = self._clients.get(name)
+            if (
+                client is not None
+                and client.waiting
+                and client.finish == -finish
+                and client.finish > self._virtual
+            ):
+                return False
+            heapq.heappop(owing)
+        return True
 
     def order(self, now: float) -> Iterator[T]:
         """Everyone waiting, in the order they would be served if nothing else arrived and no
