@@ -16,7 +16,6 @@ are a bare status line or none at all.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -29,6 +28,7 @@ from twisted.web.server import Request, Site
 
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.respond import new_request_id, send_error
+from homelab_gateway.sending import TOGETHER, SendsAtOnce
 
 # Reason phrases twisted.web lacks ("Unknown Status") or has from an older RFC. 529 is not
 # registered with IANA; "Site Overloaded" is the phrase it is known by.
@@ -51,42 +51,11 @@ class WireLimits:
     keepalive_timeout: float = 15.0
 
 
-class SendAtOnce(tcp.Server):
-    """A client connection that sends a write at once when nothing is waiting to be sent.
-
-    Twisted's TCP transport only buffers a write and asks the reactor to say when the socket is
-    writable: the `send` comes one reactor iteration later, after an `epoll_ctl` to watch for
-    writability and before another to stop. A gateway writes once per upstream read and once
-    per queue frame, nearly always to an empty buffer into a socket with room, so it pays both
-    syscalls and an iteration for each frame. Sending at once (as asyncio's transports do) is
-    the same bytes in the same order, sooner; whatever the kernel does not take, and every
-    write while anything is buffered, goes Twisted's way, with its producer pausing.
-    """
-
-    def write(self, data: bytes) -> None:
-        if (
-            data
-            and not self.TLS  # startTLS: the TLS layer encrypts first
-            and not self._tempDataBuffer
-            and not self.dataBuffer
-            and self.connected
-            and not self.disconnecting
-            and not self._aborting  # abortConnection: Twisted drops what is written now
-            and not self._writeDisconnected
-        ):
-            try:
-                sent = self.socket.send(data)
-            except OSError:
-                # No room now (EAGAIN) or a broken socket: buffered below, where Twisted's own
-                # send waits for room, or meets the error and closes the connection.
-                sent = 0
-            if sent == len(data):
-                return
-            data = data[sent:]
-        super().write(data)
-
-    def writeSequence(self, iovec: Iterable[bytes]) -> None:
-        self.write(b"".join(iovec))
+class SendAtOnce(SendsAtOnce, tcp.Server):
+    """A client connection that sends a write at once when nothing is waiting to be sent
+    (`sending.SendsAtOnce`): a gateway writes once per upstream read and once per queue frame,
+    nearly always to an empty buffer into a socket with room, and Twisted's buffered write
+    would cost each frame a reactor iteration and two `epoll_ctl` calls."""
 
 
 def send_at_once(port: Any) -> None:
@@ -280,6 +249,15 @@ class GatewayRequest(Request):
         super().__init__(*args, **kwargs)
         self.request_id = new_request_id()
         self.setHeader(b"request-id", self.request_id.encode())
+
+    def write(self, data: bytes) -> None:
+        """The first write: the status line and headers (a write of twisted.web's own) go out
+        with the first bytes in one send, not two (one wake-up of the client, not two)."""
+        if self.startedWriting:
+            super().write(data)
+            return
+        with TOGETHER:
+            super().write(data)
 
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         super().setResponseCode(code, message or REASONS.get(code))

@@ -45,6 +45,7 @@ from zope.interface import implementer
 
 from homelab_gateway.chunks import ChunkedBody
 from homelab_gateway.errors import GatewayError
+from homelab_gateway.sending import TOGETHER, reactor_for_upstreams
 
 ERROR_BODY_LIMIT = 64 * 1024
 LINGER_AFTER_END = 1.0
@@ -136,6 +137,9 @@ class EndpointPerHost:
 
     def __init__(self, reactor: Any, connect_timeout: float) -> None:
         self._reactor = reactor
+        # Plain HTTP connections send a pooled request's headers and body at once, in one
+        # send (`sending.UpstreamTransport`); TLS ones keep Twisted's transport.
+        self._plain_reactor = reactor_for_upstreams(reactor)
         self._timeout = connect_timeout
         self._tls = BrowserLikePolicyForHTTPS()
         self._endpoints: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
@@ -146,10 +150,14 @@ class EndpointPerHost:
         if endpoint is None:
             if uri.scheme not in (b"http", b"https"):
                 raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
+            tls = uri.scheme == b"https"
             endpoint = HostnameEndpoint(
-                self._reactor, uri.host.decode("ascii"), uri.port, timeout=self._timeout
+                self._reactor if tls else self._plain_reactor,
+                uri.host.decode("ascii"),
+                uri.port,
+                timeout=self._timeout,
             )
-            if uri.scheme == b"https":
+            if tls:
                 endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
             self._endpoints[key] = endpoint
         return endpoint
@@ -265,9 +273,18 @@ class Upstream:
         timer = self.clock.callLater(self.connect_timeout, give_up)
         try:
             for attempt in (1, 2):
-                pending = self.http.request(
-                    method, url, headers=headers, data=body, unbuffered=True, allow_redirects=False
-                )
+                # On a pooled connection the request is written before `request` returns: its
+                # headers and body go out then, in one send (`sending.TOGETHER`), rather than
+                # in the reactor's next iteration.
+                with TOGETHER:
+                    pending = self.http.request(
+                        method,
+                        url,
+                        headers=headers,
+                        data=body,
+                        unbuffered=True,
+                        allow_redirects=False,
+                    )
                 try:
                     return await pending
                 except Exception as e:
