@@ -34,6 +34,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.python.failure import Failure
 
+from homelab_gateway.channel import send_at_once
 from homelab_gateway.config import parse_config
 from homelab_gateway.service import Gateway
 from homelab_gateway.stub import StubLog, StubSettings, stub_site
@@ -118,6 +119,7 @@ async def run(requests: int, profile: str | None, tokens: int | None, direct: bo
     }
     gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
     listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1")
+    send_at_once(listening)  # as the daemon's own listening port does
     port = listening.getHost().port
     if direct:
         port = stub.getHost().port
