@@ -56,6 +56,11 @@ class _Collect(Protocol):
         return b"".join(self.received)
 
 
+async def _close(transport: Any, client: _Collect) -> None:
+    transport.abortConnection()
+    await wait_for(lambda: client.lost, what="the client to see the connection close")
+
+
 class SendAtOnceTests(TestCase):
     async def _connected(self) -> tuple[Any, _Collect]:
         """A server-side transport from a port given `send_at_once`, and the client's end."""
@@ -73,12 +78,8 @@ class SendAtOnceTests(TestCase):
         await connectProtocol(endpoint, client)
         await wait_for(lambda: bool(accepted), what="the connection to be accepted")
         transport = accepted[0].transport
-        self.addCleanup(self._close, transport, client)
+        self.addCleanup(_close, transport, client)
         return transport, client
-
-    async def _close(self, transport: Any, client: _Collect) -> None:
-        transport.abortConnection()
-        await wait_for(lambda: client.lost, what="the client to see the connection close")
 
     async def test_a_write_to_an_idle_connection_is_sent_before_the_reactor_turns(self) -> None:
         transport, client = await self._connected()
@@ -228,3 +229,42 @@ class UpstreamSendingTests(TestCase):
         self.assertEqual(await upstream.read_limited(await second), b"ok")
         self.assertIs(answer.transports[1], answer.transports[0], "a pooled connection")
         self.assertEqual(set(reactor.getWriters()) - writers, set())
+
+    async def test_a_pause_during_a_read_takes_effect_when_the_read_is_done(self) -> None:
+        served: list[Protocol] = []
+
+        class Server(Protocol):
+            def connectionMade(self) -> None:
+                served.append(self)
+
+        class Client(_Collect):
+            """Pauses in its first read; in its second too, then resumes at once."""
+
+            registered_after_pause: list[bool] = []
+
+            def dataReceived(self, data: bytes) -> None:
+                super().dataReceived(data)
+                self.transport.pauseProducing()
+                self.registered_after_pause.append(self.transport in reactor.getReaders())
+                if len(self.received) == 2:
+                    self.transport.resumeProducing()
+
+        port = reactor.listenTCP(0, Factory.forProtocol(Server), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        client = Client()
+        endpoint = TCP4ClientEndpoint(
+            reactor_for_upstreams(reactor), "127.0.0.1", port.getHost().port
+        )
+        await connectProtocol(endpoint, client)
+        self.addCleanup(_close, client.transport, client)
+        await wait_for(lambda: bool(served), what="the connection to be accepted")
+        served[0].transport.write(b"headers")
+        await wait_for(lambda: client.data == b"headers", what="the first read")
+        self.assertEqual(client.registered_after_pause, [True], "no epoll_ctl until the read ends")
+        self.assertNotIn(client.transport, reactor.getReaders(), "paused once the read was done")
+        served[0].transport.write(b"body")
+        client.transport.resumeProducing()
+        await wait_for(lambda: client.data == b"headersbody", what="the second read")
+        self.assertIn(client.transport, reactor.getReaders(), "resumed in the read: reading")
+        served[0].transport.write(b"!")
+        await wait_for(lambda: client.data == b"headersbody!", what="a read after the resume")

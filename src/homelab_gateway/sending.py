@@ -121,13 +121,44 @@ class SendsAtOnce(tcp.Connection):
 class UpstreamTransport(SendsAtOnce, tcp.Client):
     """An upstream connection: writes inside `TOGETHER` are sent together at its end, at once;
     every other write Twisted's way. A fresh connection's request is written when the connection
-    is made, outside any `TOGETHER`, and would otherwise go out as two sends (headers, body)."""
+    is made, outside any `TOGETHER`, and would otherwise go out as two sends (headers, body).
+
+    A pause asked for while a read is being handled takes effect when the read is done, unless
+    a resume came first: Twisted's HTTP client pauses the connection when a response's headers
+    are in and resumes it when the body is asked for, which the gateway does in the same read,
+    and each of the two cost an `epoll_ctl` (the reactor reads the socket again only after
+    this read anyway, so no byte arrives in between either way)."""
+
+    _in_read = False
+    _pause_after_read = False
 
     def write(self, data: bytes) -> None:
         if TOGETHER.holding:
             TOGETHER.hold(self, data)
         else:
             self.buffer(data)
+
+    def doRead(self) -> Any:
+        self._in_read = True
+        try:
+            return super().doRead()
+        finally:
+            self._in_read = False
+            if self._pause_after_read:
+                self._pause_after_read = False
+                super().pauseProducing()
+
+    def pauseProducing(self) -> None:
+        if self._in_read:
+            self._pause_after_read = True
+        else:
+            super().pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self._pause_after_read:
+            self._pause_after_read = False
+        else:
+            super().resumeProducing()
 
 
 class _Connector(tcp.Connector):
