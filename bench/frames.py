@@ -4,50 +4,89 @@ slot held 10 ms (the line drains in 25 s), no sockets, so the count does not dep
 `python -m bench.frames [REPORT_INTERVAL]` (default: the limiter's) prints the position
 reports made, per waiter, and per second of waiting for the waiters that waited 1 s or more
 (their first frame and the position 1 that comes with the slot included).
+
+Each report is made into the bytes a streaming client would get (`llm.QUEUE_FRAME`, with the
+line's `estimate` as `EventStream` asks it), and the run prints a digest of all of them in the
+order they were made: a change to the limiter or the estimate that must not change what
+clients see keeps the digest. `--repeat N` times the run N times (best process CPU time, the
+whole drain: grants, renumbering passes, estimates, frame bytes) and `--clients K` spreads the
+waiters over K clients in turn (the fair line: merged order, rises told at once).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import statistics
-import sys
+import time
+from typing import Any
 
 from twisted.internet.task import Clock
 
-from homelab_gateway.limiter import PositionedSemaphore
+from homelab_gateway.limiter import PositionedSemaphore, Slot
+from homelab_gateway.llm import ESTIMATED_QUEUE_FRAME, QUEUE_FRAME
 
 
-def main() -> None:
+def run(report_interval: float | None, clients: int, n: int = 5000, hold: float = 0.01) -> Any:
+    """One drain: the semaphore, the frames per waiter, their waits, the frames' digest and
+    the process CPU seconds the drain took."""
     clock = Clock()
-    options = {"report_interval": float(sys.argv[1])} if len(sys.argv) > 1 else {}
+    options = {} if report_interval is None else {"report_interval": report_interval}
     sem = PositionedSemaphore(2, clock, **options)  # type: ignore[arg-type]
-    n, hold = 5000, 0.01
     frames = [0] * n
     waited = [0.0] * n
     done: list[int] = []
+    digest = hashlib.sha256()
 
-    def told(i: int) -> None:
+    def told(position: int, i: int) -> None:
         frames[i] += 1
+        estimate = sem.estimate(position)
+        if estimate is None:
+            digest.update(QUEUE_FRAME % position)
+        else:
+            digest.update(ESTIMATED_QUEUE_FRAME % (position, estimate))
 
-    def got(slot: object, i: int) -> None:
+    def got(slot: Slot, i: int) -> None:
         waited[i] = clock.seconds()
         done.append(i)
-        clock.callLater(hold, sem.release)
+        clock.callLater(hold, slot.release)  # the hold time counts for the estimate
 
-    sem.acquire()
-    sem.acquire()
+    started = time.process_time()
+    blockers: list[Slot] = []
+    for _ in range(2):
+        sem.acquire_in_line().addCallback(blockers.append)
     for i in range(n):
-        sem.acquire_in_line(lambda _, i=i: told(i)).addCallback(got, i)
-    sem.release()
-    sem.release()
+        sem.acquire_in_line(
+            lambda position, i=i: told(position, i), client=f"c{i % clients}"
+        ).addCallback(got, i)
+    for slot in blockers:
+        slot.release()
     while len(done) < n:
         clock.advance(hold)
+    cpu = time.process_time() - started
+    sem.close()
+    return sem, frames, waited, digest.hexdigest(), cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.frames")
+    parser.add_argument("report_interval", type=float, nargs="?", default=None)
+    parser.add_argument("--clients", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    cpus = []
+    for _ in range(args.repeat):
+        sem, frames, waited, digest, cpu = run(args.report_interval, args.clients)
+        cpus.append(cpu)
+    n = len(frames)
     rates = [frames[i] / waited[i] for i in range(n) if waited[i] >= 1.0]
     print(
-        f"report_interval {sem.report_interval}: {sem.reports} reports, "
+        f"report_interval {sem.report_interval}, {args.clients} client(s): {sem.reports} reports, "
         f"{sem.reports / n:.1f} per waiter, per second of waiting p50 "
-        f"{statistics.median(rates):.2f} max {max(rates):.2f}"
+        f"{statistics.median(rates):.2f} max {max(rates):.2f}; frames sha256 {digest[:16]}; "
+        f"CPU best of {args.repeat} {min(cpus):.3f} s ({min(cpus) / sem.reports * 1e6:.2f} us "
+        "per report)"
     )
-    sem.close()
 
 
 if __name__ == "__main__":
