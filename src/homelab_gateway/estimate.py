@@ -41,13 +41,44 @@ class HoldTimes:
         return max(0.0, self._sum / len(self._recent))
 
 
-def wait(position: int, held_for: Iterable[float], slots: int, mean: float) -> float:
-    """Seconds until the waiter at `position` (1-based) gets one of `slots` slots, those in use
-    held for `held_for` seconds so far (see the module docstring)."""
-    frees = [max(0.0, mean - held) for held in held_for]
-    frees = sorted(frees + [0.0] * (slots - len(frees)))[:slots]
-    rounds, index = divmod(position - 1, slots)
-    # In means, not seconds: a slot free in exactly one mean then adds 1.0 to a whole number,
-    # which is exact, so the last place of a round never comes out an ulp later than the first
-    # of the next (`f + r * mean` could), and a later place never waits less.
-    return mean * (rounds + frees[index] / mean)
+class Waits:
+    """`wait(p)` of the module docstring for any position, from one look at the slots: a
+    renumbering pass asks it for thousands of positions in a row, so the slots are sorted once
+    per pass, not once per position.
+
+    A slot frees `H` seconds after it was granted (at once if that is past), so the slots free
+    in the order they were granted: the idle slots (free now), then the `S` oldest grants, are
+    `r_0 <= ... <= r_{S-1}`, and a position's wait needs one of them at the moment it is asked.
+    """
+
+    __slots__ = ("_granted", "_idle", "_mean", "_slots")
+
+    def __init__(self, granted_at: Iterable[float], slots: int, mean: float) -> None:
+        """`slots` slots, those in use granted at the moments `granted_at` (the clock of the
+        `now` given to `at`), held `mean` seconds on average."""
+        self._granted = sorted(granted_at)[:slots]
+        self._idle = slots - len(self._granted)
+        self._slots = slots
+        self._mean = mean
+
+    def at(self, position: int, now: float) -> float:
+        """Seconds until the waiter at `position` (1-based) gets a slot, asked at `now`."""
+        mean = self._mean
+        if not mean:  # slots held no time at all: every one is free again at once
+            return 0.0
+        rounds, index = divmod(position - 1, self._slots)
+        index -= self._idle
+        if index < 0:
+            free = 0.0
+        else:
+            # Rounding is monotonic, so `mean - (now - granted)` keeps the grants' order: the
+            # index-th grant is the index-th slot to free, to the bit. (`max(0.0, free)`, as
+            # a comparison: this runs for every queue frame.)
+            free = mean - (now - self._granted[index])
+            if not free > 0.0:
+                free = 0.0
+        # In means, not seconds: a slot free in exactly one mean then adds 1.0 to a whole
+        # number, which is exact, so the last place of a round never comes out an ulp later
+        # than the first of the next (`free + rounds * mean` could), and a later place never
+        # waits less.
+        return mean * (rounds + free / mean)

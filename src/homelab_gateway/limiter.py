@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -45,7 +46,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from homelab_gateway.estimate import HoldTimes, wait
+from homelab_gateway.estimate import HoldTimes, Waits
 from homelab_gateway.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
 from homelab_gateway.replicas import DOWN, UP, Circuit, Sessions, choose
 
@@ -196,6 +197,10 @@ class PositionedSemaphore(DeferredSemaphore):
         self._listeners: dict[Deferred[Slot], PositionListener] = {}
         self._reported: dict[Deferred[Slot], int] = {}
         self._pass: IDelayedCall | None = None
+        # While a walk tells positions (`_telling`): the estimate's view of the slots, taken
+        # once for the walk (None: no estimate), since nothing changes them until it ends.
+        self._telling = False
+        self._waits: Waits | None = None
         self._aging: IDelayedCall | None = None
         self._cooling: dict[Replica, IDelayedCall] = {}
         self.reports = 0  # position reports made: how many frames the coalescing saves
@@ -395,16 +400,19 @@ class PositionedSemaphore(DeferredSemaphore):
         self._give_back(self.members[0], reordered=False)
 
     def estimate(self, position: int) -> float | None:
-        """Seconds the waiter at `position` is expected to wait (`estimate.wait`), or None
+        """Seconds the waiter at `position` is expected to wait (`estimate.Waits`), or None
         until enough slots have been held and released here, or while none is in rotation."""
+        waits = self._waits if self._telling else self._current_waits()
+        return None if waits is None else waits.at(position, self.clock.seconds())
+
+    def _current_waits(self) -> Waits | None:
         mean = self.holds.mean()
         if mean is None:
             return None
         slots = sum(m.limit for m in self.members if m.circuit.state == UP)
         if not slots:
             return None
-        now = self.clock.seconds()
-        return wait(position, (now - s.granted_at for s in self._holding), slots, mean)
+        return Waits((s.granted_at for s in self._holding), slots, mean)
 
     def _give_back(self, replica: Replica, reordered: bool) -> None:
         """A slot of `replica` is free again, after a `Line.settle` that may have `reordered`
@@ -557,9 +565,10 @@ class PositionedSemaphore(DeferredSemaphore):
     def _tell_all(self, now: float) -> None:
         """Tell every listening waiter whose place is not its last report its place."""
         listeners, reported = self._listeners, self._reported
-        for position, d in enumerate(self._order(now), start=1):
-            if d in listeners and reported.get(d) != position:
-                self._tell(d, position)
+        with self._telling_positions():
+            for position, d in enumerate(self._order(now), start=1):
+                if d in listeners and reported.get(d) != position:
+                    self._tell(d, position)
 
     def _tell_rises(self, now: float) -> None:
         """After an event that may have moved waiters back: tell those now."""
@@ -570,9 +579,23 @@ class PositionedSemaphore(DeferredSemaphore):
         """Tell each listening waiter whose place is now higher than its last report; falls
         wait for the coalesced pass."""
         reported = self._reported
-        for position, d in places:
-            if reported.get(d, position) < position:
-                self._tell(d, position)
+        with self._telling_positions():
+            for position, d in places:
+                if reported.get(d, position) < position:
+                    self._tell(d, position)
+
+    @contextmanager
+    def _telling_positions(self) -> Iterator[None]:
+        """A walk that tells positions: one view of the slots for every estimate it asks. A
+        listener only writes (a client that left is cancelled in a later turn), so the line,
+        its slots and their hold times stay as they are until the walk ends."""
+        self._waits = self._current_waits()
+        self._telling = True
+        try:
+            yield
+        finally:
+            self._telling = False
+            self._waits = None
 
     def _watch_aging(self, now: float) -> None:
         """Wake when the next waiter ages into a better class, if that can reorder.
