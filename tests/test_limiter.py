@@ -8,7 +8,7 @@ from twisted.internet.defer import CancelledError, DeferredSemaphore
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull
+from homelab_gateway.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
 from homelab_gateway.line import CLASS_RANK
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
@@ -268,6 +268,23 @@ class Rises(TestCase):
         self.clock.advance(0.5)
         self.assertEqual(len(walks), 1)
         self.assertEqual(waiters[-1][1], [50, 48])
+
+    def test_a_grant_finds_the_head_of_the_line_once(self) -> None:
+        """Finding the head is a look at every client's queues: a slot handed over looks once,
+        not once to find the waiter and again to pop it."""
+        looks = []
+        best_head = self.sem.line._best_head
+        self.sem.line._best_head = lambda now: looks.append(now) or best_head(now)  # type: ignore[method-assign]
+        slots: list[Slot] = []
+        self.sem.acquire_in_line(client="a").addCallback(slots.append)
+        waiters = [self.waiter(client)[0] for client in ("a", "b", "a", "b")]
+        for waiter in waiters:
+            waiter.addCallback(slots.append)  # type: ignore[attr-defined]
+        looks.clear()
+        slots[0].release()
+        slots[1].release()
+        self.assertEqual(sum(w.called for w in waiters), 2)  # type: ignore[attr-defined]
+        self.assertEqual(len(looks), 2)
 
 
 class Scale(TestCase):

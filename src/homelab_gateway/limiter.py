@@ -432,33 +432,41 @@ class PositionedSemaphore(DeferredSemaphore):
         while self.waiting:
             if not any(m.open_at(now) for m in self.members):
                 break
-            found = self._next(now)
-            if found is None:
+            taken = self._take_next(now)
+            if taken is None:
                 break
-            d, candidates, head = found
-            want = self._wants.get(d)
-            grant, moved = self._take_out(d, now, head)
+            d, want, candidates, grant, moved = taken
             reordered = reordered or moved
             d.callback(self._grant(candidates, want, grant, now))
         self._count()
         return reordered
 
-    def _next(self, now: float) -> tuple[Deferred[Slot], list[Replica], bool] | None:
-        """The first waiter, in order, that may start on a replica now, the replicas it may
-        start on, and whether it is the head of the line."""
+    def _take_next(
+        self, now: float
+    ) -> tuple[Deferred[Slot], _Want | None, list[Replica], Grant, bool] | None:
+        """Take out of the line the first waiter, in order, that may start on a replica now:
+        it, what it may take, the replicas it may start on, its grant, and whether taking it
+        may have moved another waiter back (`_take_out`)."""
         for d in self._first:
-            candidates = self._open_for(self._wants.get(d), now)
+            want = self._wants.get(d)
+            candidates = self._open_for(want, now)
             if candidates:
-                return d, candidates, False
-        if not self._choosy:  # everyone may take any replica: the head of the line
-            d = self.line.head(now)
-            if d is None:
+                return d, want, candidates, *self._take_out(d, now, False)
+        if not self._choosy:
+            # Everyone may take any replica, so the head of the line gets it: popped at once,
+            # since finding it first (`Line.head`) and then popping it would find it twice.
+            popped = self.line.pop(now)
+            if popped is None:
                 return None
-            return d, self._open_for(self._wants.get(d), now), True
+            d, grant = popped
+            want = self._wants.pop(d, None)
+            self._remove_waiting(d)
+            return d, want, self._open_for(want, now), grant, False
         for index, d in enumerate(self.line.order(now)):
-            candidates = self._open_for(self._wants.get(d), now)
+            want = self._wants.get(d)
+            candidates = self._open_for(want, now)
             if candidates:
-                return d, candidates, index == 0
+                return d, want, candidates, *self._take_out(d, now, index == 0)
         return None
 
     def _take_out(self, d: Any, now: float, head: bool) -> tuple[Grant, bool]:
