@@ -19,7 +19,12 @@ The order, best first:
 3. **FIFO** within one client and one class.
 
 With one client and one class every step above is a tie but the last: the line is a FIFO, and
-every operation on it is O(1) except `order`, which is one O(n) walk.
+every operation on it is O(1) except `order`, which is one O(n) walk. With q (client, class)
+FIFOs waiting, `head` and `pop` (and the bookkeeping of `join`, `leave`, `take`, `admit` and
+`settle`) are O(log n) amortized, on heaps of the FIFOs' heads and of the waiters' aging
+crossings, not a walk of every client: many distinct clients (peer addresses) waiting at once
+do not make each grant slower. So is `next_aging`. Only a clock that went back past a crossing
+falls back to a walk (O(q), O(n) for `next_aging`), for that call.
 
 What can move a waiter *back* (a higher position) matters to the limiter, which must say so at
 once, so the line tells it, and the tests hold it to this:
@@ -39,7 +44,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -86,14 +90,50 @@ class Grant:
 @dataclass
 class _Client:
     weight: float
+    seq: int  # creation order: the order of `Line._clients`, which breaks ties
     finish: float = 0.0  # virtual finish of its last grant
     estimate: float = INITIAL_ESTIMATE
     waiting: int = 0
-    queues: dict[int, deque[Waiter]] = field(default_factory=dict)  # rank -> FIFO
+    queues: dict[int, _Fifo] = field(default_factory=dict)  # rank -> FIFO
+
+
+class _Fifo(deque[Waiter]):
+    """One client's FIFO of one class, with what the heaps of heads know of it."""
+
+    __slots__ = ("client", "rank", "seq", "stamp")
+
+    def __init__(self, client: _Client, seq: int) -> None:
+        super().__init__()
+        self.client = client
+        self.seq = seq  # creation order: the order of `client.queues`, which breaks ties
+        self.rank = 0  # the class its head is served as at `Line._aged`
+        self.stamp = 0  # its one live entry on a heap of heads (0: none)
 
 
 class Line(Generic[T]):
-    """Who is served next, and in what order everyone waiting would be served."""
+    """Who is served next, and in what order everyone waiting would be served.
+
+    The head of the line is the least `(class, start, arrived)` key of the FIFOs' heads, the
+    first one in `order`'s walk on a tie. While more than one FIFO waits, two heaps of heads
+    keep it, so that a grant is O(log q) amortized for q FIFOs, not a walk of every client:
+
+    - `_even` holds the heads whose client starts at the virtual time V (its finish is not
+      past it), keyed `(class, arrived, tie)`: their start is V, whatever V has become;
+    - `_owing` the others, keyed `(class, finish, arrived, tie)`: their start is that finish.
+
+    Within a class the least of `_even` goes before the least of `_owing`, whose start is
+    later. V only grows, so a head can only have to move from `_owing` to `_even`, and those
+    that must are the least of `_owing`: they move when they surface. The tie is the creation
+    order of the client and then of the FIFO, the order of the dicts that `order` walks. A new
+    head, class or client finish pushes a new entry for the FIFO under a new stamp; the older
+    one is stale and dropped when it surfaces (or when stale entries outnumber live ones).
+
+    Aging: `_ages` holds, for every waiter that can still age, when it is next served as a
+    better class after `_aged`: a lower bound at first (cheap, and most waiters are served
+    before it comes), made exact (`_crossing`) when it surfaces. Choosing at `now` first moves
+    the heads whose crossing came by `now` to their better class; the least exact moment left
+    is `next_aging`.
+    """
 
     def __init__(self, *, aging: float | None = None, weights: Mapping[str, float] = {}) -> None:
         self.aging = aging
@@ -103,23 +143,37 @@ class Line(Generic[T]):
         self._virtual = 0.0
         self._queues = 0  # non-empty (client, class) FIFOs
         self._busy = 0  # clients with a waiter
+        self._sole: _Fifo | None = None  # the FIFO, while there is one: no heap is kept then
+        self._made = 0  # clients and FIFOs created: their `seq`
+        self._stamps = 0  # entries pushed on the heaps: their stamp, unique
+        self._even: list[tuple[int, float, int, int, int, _Fifo]] = []
+        self._owing: list[tuple[int, float, float, int, int, int, _Fifo]] = []
+        # (moment, stamp, waiter, the class it is then served as, whether moment is exact)
+        self._ages: list[tuple[float, int, Waiter[T], int, bool]] = []
+        self._aged = -math.inf  # the moment the heads' classes (`_Fifo.rank`) are at
+        # No waiter crossed into a better class after this and up to `_aged`: at a `now`
+        # before it (a clock that went back) the heads' classes may not be those at `_aged`.
+        self._crossed = -math.inf
         # For `goes_last`, kept up to date as the line changes: clients with more than one
         # waiter, waiters per class, the latest arrival (and how many joined at it), and the
-        # waiting clients whose finish may be past V (a lazy max-heap: -finish, count, name).
+        # waiting clients whose finish may be past V (a lazy max-heap: -finish, count, client).
         self._crowded = 0
         self._by_rank = [0] * len(CLASSES)
         self._latest = -math.inf
         self._at_latest = 0
-        self._owing: list[tuple[float, int, str]] = []
-        self._owed = 0
+        self._late: list[tuple[float, int, _Client]] = []
+        self._lates = 0
 
     def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
         """New aging and weights (config reload): waiters keep their place in their queues; the
         new weights apply to slot time charged from now on."""
+        reaged = aging != self.aging
         self.aging = aging
         self.weights = dict(weights)
         for name, state in self._clients.items():
             state.weight = self.weights.get(name, 1.0)
+        if reaged:
+            self._reage()
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -135,7 +189,8 @@ class Line(Generic[T]):
     def _client(self, name: str) -> _Client:
         client = self._clients.get(name)
         if client is None:
-            client = self._clients[name] = _Client(weight=self.weights.get(name, 1.0))
+            self._made += 1
+            client = self._clients[name] = _Client(self.weights.get(name, 1.0), self._made)
         return client
 
     def waiting_for(self, client: str) -> int:
@@ -148,14 +203,29 @@ class Line(Generic[T]):
         state = self._client(client)
         queue = state.queues.get(rank)
         if queue is None:
-            queue = state.queues[rank] = deque()
+            self._made += 1
+            queue = state.queues[rank] = _Fifo(state, self._made)
+            queue.append(waiter)
             self._queues += 1
-        queue.append(waiter)
+            if self._queues == 1:
+                self._sole = queue
+            else:
+                sole, self._sole = self._sole, None
+                if sole is not None:  # a second FIFO: the heaps start with both
+                    self._headed(sole)
+                self._headed(queue)
+        else:
+            queue.append(waiter)
+        if self.aging is not None:
+            aged = self._rank_at(waiter, self._aged)
+            if aged != rank:  # it crossed before `_aged` (it waited in another line)
+                self._crossed = self._aged
+            self._will_age(waiter, aged)
         if not state.waiting:
             self._busy += 1
         state.waiting += 1
         if state.waiting == 1:
-            self._owes(client, state)
+            self._owes(state)
         elif state.waiting == 2:
             self._crowded += 1
         self._by_rank[rank] += 1
@@ -168,20 +238,25 @@ class Line(Generic[T]):
         """Remove a waiter that gave up (cancelled, timed out). O(its client's queue). True if
         that may have moved another waiter back: its client's later waiters and the virtual
         time it would have advanced no longer count, so others can pass one another."""
-        waiter, state = self._unqueue(item)
+        waiter, state, headed = self._unqueue(item)
+        if headed is not None:
+            self._headed(headed)
         self._forget(state, waiter)
         return self._busy > 1
 
-    def _unqueue(self, item: T) -> tuple[Waiter[T], _Client]:
-        """Take a waiter out of its FIFO, wherever it stands. O(its client's queue)."""
+    def _unqueue(self, item: T) -> tuple[Waiter[T], _Client, _Fifo | None]:
+        """Take a waiter out of its FIFO, wherever it stands. O(its client's queue). Also its
+        FIFO if that has a new head."""
         waiter = self._waiters.pop(item)
         state = self._clients[waiter.client]
         queue = state.queues[waiter.rank]
         if queue[0] is waiter:
             queue.popleft()
+            if queue:
+                return waiter, state, queue
         else:
             queue.remove(waiter)
-        return waiter, state
+        return waiter, state, None
 
     def _forget(self, state: _Client, waiter: Waiter[T]) -> None:
         state.waiting -= 1
@@ -191,115 +266,82 @@ class Line(Generic[T]):
             self._crowded -= 1
         self._by_rank[waiter.rank] -= 1
         if not state.queues[waiter.rank]:
+            state.queues[waiter.rank].stamp = 0  # its entry on a heap of heads is stale
             del state.queues[waiter.rank]
             self._queues -= 1
+            if self._queues <= 1:  # the one left, if any, is the line: no heap is kept
+                self._sole = self._least()
+                self._even.clear()
+                self._owing.clear()
+            else:
+                self._tidy()
         if not state.waiting and not state.queues and state.finish <= self._virtual:
             # Idle and owing nothing: it would start at V anyway. Keeps the table small when
             # clients are peer addresses.
             del self._clients[waiter.client]
+        if len(self._ages) > 2 * len(self._waiters) + 64:
+            self._ages = [entry for entry in self._ages if self._live(entry[2])]
+            heapq.heapify(self._ages)
 
-    def _best_head(self, now: float) -> tuple[tuple[int, float, float], Waiter[T]] | None:
-        best: tuple[tuple[int, float, float], Waiter[T]] | None = None
-        for state in self._clients.values():
-            if not state.queues:
-                continue
-            start = max(self._virtual, state.finish)
-            for queue in state.queues.values():
-                head = queue[0]
-                rank = effective_rank(head.rank, now - head.arrived, self.aging)
-                key = (rank, start, head.arrived)
-                if best is None or key < best[0]:
-                    best = (key, head)
-        return best
+    def _live(self, waiter: Waiter[T]) -> bool:
+        return self._waiters.get(waiter.item) is waiter
 
-    def head(self, now: float) -> T | None:
-        """The waiter `pop` would serve now, left in the line; None if nobody waits."""
-        best = self._best_head(now)
-        return None if best is None else best[1].item
+    def _rank_at(self, waiter: Waiter[T], at: float) -> int:
+        return effective_rank(waiter.rank, at - waiter.arrived, self.aging)
 
-    def pop(self, now: float) -> tuple[T, Grant] | None:
-        """The waiter a free slot goes to now, charged the slot time its client is expected to
-        hold; None if nobody waits."""
-        best = self._best_head(now)
-        if best is None:
-            return None
-        (rank, start, _), waiter = best
-        state = self._clients[waiter.client]
-        state.queues[waiter.rank].popleft()
-        del self._waiters[waiter.item]
-        self._virtual = max(self._virtual, start)
-        state.finish = start + state.estimate / state.weight
-        grant = Grant(waiter.client, rank, state.estimate)
-        self._forget(state, waiter)
-        self._owes(waiter.client, state)
-        return waiter.item, grant
+    def _headed(self, queue: _Fifo) -> None:
+        """`queue` has a new head (or the heaps are new): its class at `_aged`, and its entry."""
+        queue.rank = self._rank_at(queue[0], self._aged)
+        self._push(queue)
 
-    def take(self, item: T, now: float) -> tuple[Grant, bool]:
-        """Grant a waiter out of turn: a free slot that the waiters ahead of it cannot use
-        (their replicas are others). Charged like `pop`; the virtual time stays, since those
-        ahead were not served. Also True if that may have moved another waiter back (its
-        client's later waiters, now that the client was charged)."""
-        waiter, state = self._unqueue(item)
-        start = max(self._virtual, state.finish)
-        state.finish = start + state.estimate / state.weight
-        grant = Grant(
-            waiter.client,
-            effective_rank(waiter.rank, now - waiter.arrived, self.aging),
-            state.estimate,
-        )
-        self._forget(state, waiter)
-        self._owes(waiter.client, state)
-        return grant, self._busy > 1
+    def _push(self, queue: _Fifo) -> None:
+        """Put `queue`'s head on the heap of heads that its client's finish puts it on, under a
+        new stamp (its older entry goes stale): its head, class or client's finish changed.
+        Nothing while it is the only FIFO."""
+        if self._sole is not None:
+            return
+        self._stamps += 1
+        stamp = queue.stamp = self._stamps
+        state = queue.client
+        arrived = queue[0].arrived
+        if state.finish <= self._virtual:
+            heapq.heappush(self._even, (queue.rank, arrived, state.seq, queue.seq, stamp, queue))
+        else:
+            heapq.heappush(
+                self._owing,
+                (queue.rank, state.finish, arrived, state.seq, queue.seq, stamp, queue),
+            )
+        self._tidy()
 
-    def arrived(self, item: T) -> tuple[str, int, float]:
-        """A waiter's client, class and arrival, to move it to another line (a reload that
-        joins two lines) without losing its place in time."""
-        waiter = self._waiters[item]
-        return waiter.client, waiter.rank, waiter.arrived
+    def _tidy(self) -> None:
+        """Drop the stale entries of the heaps of heads once they outnumber the live ones (and
+        64): O(1) amortized, and the heaps stay O(q)."""
+        if len(self._even) + len(self._owing) > 2 * self._queues + 64:
+            self._even = [entry for entry in self._even if entry[-2] == entry[-1].stamp]
+            self._owing = [entry for entry in self._owing if entry[-2] == entry[-1].stamp]
+            heapq.heapify(self._even)
+            heapq.heapify(self._owing)
 
-    def admit(self, client: str, rank: int, now: float) -> Grant:
-        """A request that found a free slot: it skips the line but its service still counts."""
-        state = self._client(client)
-        start = max(self._virtual, state.finish)
-        self._virtual = start
-        state.finish = start + state.estimate / state.weight
-        self._owes(client, state)
-        return Grant(client, rank, state.estimate)
+    def _charged(self, state: _Client) -> None:
+        """`state`'s finish changed, and its heads' start with it."""
+        for queue in state.queues.values():
+            self._push(queue)
+        self._owes(state)
 
-    def charging_moves(self, client: str) -> bool:
-        """Whether charging `client` a grant (`admit`, `take`) may move a waiter back: only its
-        own waiters move, and only past another client's."""
-        state = self._clients.get(client)
-        return state is not None and state.waiting > 0 and self._busy > 1
-
-    def settle(self, grant: Grant, held: float) -> bool:
-        """Correct a grant's charge with the time its slot was really held. True if that may
-        have reordered the line: the client's finish and estimate place only its own waiters,
-        so only when it has some and another client waits too."""
-        state = self._client(grant.client)
-        state.finish += (held - grant.charged) / state.weight
-        state.estimate += ESTIMATE_SMOOTHING * (held - state.estimate)
-        if not state.waiting:
-            if state.finish <= self._virtual:
-                del self._clients[grant.client]
-            return False
-        self._owes(grant.client, state)
-        return self._busy > 1
-
-    def _owes(self, name: str, state: _Client) -> None:
+    def _owes(self, state: _Client) -> None:
         """Note a waiting client whose finish is past V (`goes_last` looks at the largest);
         the heap is rebuilt when stale entries outnumber the clients that wait."""
         if not state.waiting or state.finish <= self._virtual:
             return
-        self._owed += 1
-        heapq.heappush(self._owing, (-state.finish, self._owed, name))
-        if len(self._owing) > 2 * self._busy + 64:
-            self._owing = [
-                (-c.finish, n, name)
-                for n, (name, c) in enumerate(self._clients.items())
+        self._lates += 1
+        heapq.heappush(self._late, (-state.finish, self._lates, state))
+        if len(self._late) > 2 * self._busy + 64:
+            self._late = [
+                (-c.finish, n, c)
+                for n, c in enumerate(self._clients.values())
                 if c.waiting and c.finish > self._virtual
             ]
-            heapq.heapify(self._owing)
+            heapq.heapify(self._late)
 
     def goes_last(self, item: T, now: float) -> bool:
         """Whether `order(now)` ends with the waiter `item`, answered in O(1) amortized for
@@ -324,19 +366,200 @@ class Line(Generic[T]):
             return False
         if self._at_latest > 1 and next(reversed(self._clients)) != waiter.client:
             return False
-        owing = self._owing
-        while owing:
-            finish, _, name = owing[0]
-            client = self._clients.get(name)
-            if (
-                client is not None
-                and client.waiting
-                and client.finish == -finish
-                and client.finish > self._virtual
-            ):
+        late = self._late
+        while late:
+            finish, _, client = late[0]
+            if client.waiting and client.finish == -finish and client.finish > self._virtual:
                 return False
-            heapq.heappop(owing)
+            heapq.heappop(late)
         return True
+
+    def _will_age(self, waiter: Waiter[T], rank: int) -> None:
+        """Note when `waiter`, served as `rank` at `_aged`, is next served as a better class:
+        a lower bound of that moment, far enough below the sum for its rounding."""
+        if rank and self.aging is not None:
+            after = (waiter.rank - rank + 1) * self.aging
+            at = waiter.arrived + after
+            self._stamps += 1
+            entry = (
+                at - (abs(waiter.arrived) + after) * 1e-9,
+                self._stamps,
+                waiter,
+                rank - 1,
+                False,
+            )
+            heapq.heappush(self._ages, entry)
+
+    def _exact(self, entry: tuple[float, int, Waiter[T], int, bool]) -> float:
+        waiter, better, aging = entry[2], entry[3], self.aging
+        assert aging is not None
+        return _crossing(waiter, better, (waiter.rank - better) * aging, aging)
+
+    def _age(self, now: float) -> bool:
+        """Bring the heads' classes to `now`, if that is not before `_aged`: each waiter whose
+        crossing came is noted again for its next, and a head moves to its better class.
+        O(log n) per crossing. True if the heads' classes are then those at `now`: false only
+        for a `now` before the last crossing (a clock that went back over it)."""
+        if now < self._aged:
+            return now >= self._crossed
+        self._aged = now
+        ages = self._ages
+        while ages and ages[0][0] <= now:
+            entry = ages[0]
+            waiter = entry[2]
+            if not self._live(waiter):
+                heapq.heappop(ages)
+                continue
+            if not entry[4]:
+                at = self._exact(entry)
+                if at > now:  # not yet: it waits on the heap at its exact moment
+                    heapq.heapreplace(ages, (at, entry[1], waiter, entry[3], True))
+                    continue
+            else:
+                at = entry[0]
+            heapq.heappop(ages)
+            self._crossed = max(self._crossed, at)
+            rank = self._rank_at(waiter, now)
+            self._will_age(waiter, rank)
+            queue = self._clients[waiter.client].queues[waiter.rank]
+            if queue[0] is waiter and queue.rank != rank:
+                queue.rank = rank
+                self._push(queue)
+        return True
+
+    def _reage(self) -> None:
+        """Every head's class and every waiter's next crossing afresh, at `_aged`: the aging
+        period changed."""
+        self._crossed = self._aged
+        self._ages = []
+        for waiter in self._waiters.values():
+            self._will_age(waiter, self._rank_at(waiter, self._aged))
+        self._even.clear()
+        self._owing.clear()
+        for state in self._clients.values():
+            for queue in state.queues.values():
+                self._headed(queue)
+
+    def _least(self) -> _Fifo | None:
+        """The FIFO of the least head on the heaps, once stale entries and heads whose client
+        V caught up with are out of the way. O(log q) amortized."""
+        virtual = self._virtual
+        even, owing = self._even, self._owing
+        while owing:
+            top = owing[0]
+            if top[-2] != top[-1].stamp:
+                heapq.heappop(owing)
+            elif top[1] <= virtual:  # its client starts at V now
+                heapq.heappop(owing)
+                heapq.heappush(even, (top[0], *top[2:]))
+            else:
+                break
+        while even and even[0][-2] != even[0][-1].stamp:
+            heapq.heappop(even)
+        if even and (not owing or even[0][0] <= owing[0][0]):
+            return even[0][-1]
+        return owing[0][-1] if owing else None
+
+    def _best_head(self, now: float) -> _Fifo | None:
+        """The FIFO whose head goes first at `now`."""
+        if self._sole is not None:
+            return self._sole
+        if not self._age(now):
+            return self._walked_head(now)
+        return self._least()
+
+    def _walked_head(self, now: float) -> _Fifo | None:
+        """`_best_head` by a walk of every FIFO, O(q): for a `now` at which the heads'
+        classes are not kept (`_age`)."""
+        best: tuple[tuple[int, float, float], _Fifo] | None = None
+        for state in self._clients.values():
+            if not state.queues:
+                continue
+            start = max(self._virtual, state.finish)
+            for queue in state.queues.values():
+                head = queue[0]
+                key = (self._rank_at(head, now), start, head.arrived)
+                if best is None or key < best[0]:
+                    best = (key, queue)
+        return None if best is None else best[1]
+
+    def head(self, now: float) -> T | None:
+        """The waiter `pop` would serve now, left in the line; None if nobody waits."""
+        queue = self._best_head(now)
+        return None if queue is None else queue[0].item
+
+    def pop(self, now: float) -> tuple[T, Grant] | None:
+        """The waiter a free slot goes to now, charged the slot time its client is expected to
+        hold; None if nobody waits."""
+        queue = self._best_head(now)
+        if queue is None:
+            return None
+        waiter = queue.popleft()
+        state = queue.client
+        start = max(self._virtual, state.finish)
+        del self._waiters[waiter.item]
+        self._virtual = start
+        state.finish = start + state.estimate / state.weight
+        grant = Grant(waiter.client, self._rank_at(waiter, now), state.estimate)
+        if queue and self._sole is None:
+            queue.rank = self._rank_at(queue[0], self._aged)
+        self._forget(state, waiter)
+        self._charged(state)
+        return waiter.item, grant
+
+    def take(self, item: T, now: float) -> tuple[Grant, bool]:
+        """Grant a waiter out of turn: a free slot that the waiters ahead of it cannot use
+        (their replicas are others). Charged like `pop`; the virtual time stays, since those
+        ahead were not served. Also True if that may have moved another waiter back (its
+        client's later waiters, now that the client was charged)."""
+        waiter, state, headed = self._unqueue(item)
+        if headed is not None:  # its entry goes on a heap with the client's new finish
+            headed.rank = self._rank_at(headed[0], self._aged)
+        start = max(self._virtual, state.finish)
+        state.finish = start + state.estimate / state.weight
+        grant = Grant(
+            waiter.client,
+            effective_rank(waiter.rank, now - waiter.arrived, self.aging),
+            state.estimate,
+        )
+        self._forget(state, waiter)
+        self._charged(state)
+        return grant, self._busy > 1
+
+    def arrived(self, item: T) -> tuple[str, int, float]:
+        """A waiter's client, class and arrival, to move it to another line (a reload that
+        joins two lines) without losing its place in time."""
+        waiter = self._waiters[item]
+        return waiter.client, waiter.rank, waiter.arrived
+
+    def admit(self, client: str, rank: int, now: float) -> Grant:
+        """A request that found a free slot: it skips the line but its service still counts."""
+        state = self._client(client)
+        start = max(self._virtual, state.finish)
+        self._virtual = start
+        state.finish = start + state.estimate / state.weight
+        self._charged(state)
+        return Grant(client, rank, state.estimate)
+
+    def charging_moves(self, client: str) -> bool:
+        """Whether charging `client` a grant (`admit`, `take`) may move a waiter back: only its
+        own waiters move, and only past another client's."""
+        state = self._clients.get(client)
+        return state is not None and state.waiting > 0 and self._busy > 1
+
+    def settle(self, grant: Grant, held: float) -> bool:
+        """Correct a grant's charge with the time its slot was really held. True if that may
+        have reordered the line: the client's finish and estimate place only its own waiters,
+        so only when it has some and another client waits too."""
+        state = self._client(grant.client)
+        state.finish += (held - grant.charged) / state.weight
+        state.estimate += ESTIMATE_SMOOTHING * (held - state.estimate)
+        if not state.waiting:
+            if state.finish <= self._virtual:
+                del self._clients[grant.client]
+            return False
+        self._charged(state)
+        return self._busy > 1
 
     def order(self, now: float) -> Iterator[T]:
         """Everyone waiting, in the order they would be served if nothing else arrived and no
@@ -387,28 +610,33 @@ class Line(Generic[T]):
     def next_aging(self, now: float) -> float | None:
         """The first moment after `now` at which some waiter is served as a better class, if
         that can change the order (more than one queue waits): until then time moves nobody.
-        Exact to the float, so that at the returned moment `order` has really changed."""
+        Exact to the float, so that at the returned moment `order` has really changed.
+        O(log n) amortized: the least crossing left once those up to `now` are passed."""
         if self.aging is None or self._queues < 2:
             return None
-        aging = self.aging
+        if not self._age(now):
+            return self._walked_aging(now, self.aging)
+        ages = self._ages
+        while ages:
+            entry = ages[0]
+            if not self._live(entry[2]):
+                heapq.heappop(ages)
+            elif not entry[4]:
+                heapq.heapreplace(ages, (self._exact(entry), *entry[1:4], True))
+            else:
+                return entry[0]
+        return None
+
+    def _walked_aging(self, now: float, aging: float) -> float | None:
+        """`next_aging` by a walk of every waiter, O(n): for a `now` at which the crossings
+        are not kept (`_age`)."""
         soonest: float | None = None
-        for state in self._clients.values():
-            for queue in state.queues.values():
-                rank = queue[0].rank
-                for steps in range(1, rank + 1):
-                    # The FIFO is in arrival order, so those that waited `steps` periods are a
-                    # prefix; the first after it is the next to cross that many.
-                    better = rank - steps
-                    first = bisect_left(
-                        queue,
-                        True,
-                        key=lambda w: effective_rank(rank, now - w.arrived, aging) > better,
-                    )
-                    if first == len(queue):
-                        continue
-                    at = _crossing(queue[first], better, steps * aging, aging)
-                    if soonest is None or at < soonest:
-                        soonest = at
+        for waiter in self._waiters.values():
+            rank = self._rank_at(waiter, now)
+            if rank:
+                at = _crossing(waiter, rank - 1, (waiter.rank - rank + 1) * aging, aging)
+                if soonest is None or at < soonest:
+                    soonest = at
         return soonest
 
     def next_crossing(self, item: T, now: float) -> float | None:
