@@ -292,6 +292,66 @@ class Errors(LLMSurface):
         self.assertEqual(response.status, 200)
 
 
+class RootAndKlein(LLMSurface):
+    """`/llm/v1/messages` is served by `web.GatewayRoot` without Klein's render chain; an
+    encoded form of the same path still goes through Klein to the same handler. Both must
+    answer alike, byte for byte but for the request's id, its date and generated ids."""
+
+    gateway_overrides = {"server": {"cors_origins": ["https://chat.home.lan"]}}
+    KLEIN_PATH = "/llm/v1/%6Dessages"  # the same route once decoded: Klein's way in
+
+    async def both(self, method: str, body: Any = None, **kw: Any) -> list[Any]:
+        answers = []
+        for path in ("/llm/v1/messages", self.KLEIN_PATH):
+            response = raw_request(self.port, method, path, body, **kw)
+            await response.closed
+            answers.append(response)
+        return answers
+
+    def same(self, root: Any, klein: Any, *, body: bool = True) -> None:
+        def head(response: Any) -> list[str]:
+            lines = response.head.split("\r\n")
+            return [line for line in lines if not line.lower().startswith(("request-id", "date"))]
+
+        self.assertEqual(head(root), head(klein))
+        if body:
+            self.assertEqual(root.body_bytes(), klein.body_bytes())
+
+    @async_test
+    async def test_refusals_and_preflights_are_answered_alike(self) -> None:
+        cors = {"Origin": "https://chat.home.lan", "Access-Control-Request-Method": "POST"}
+        for method, body, headers in (
+            ("GET", None, None),
+            ("POST", b"{nope", None),
+            ("POST", chat(model="ghost"), None),
+            ("OPTIONS", None, cors),
+        ):
+            root, klein = await self.both(method, body, headers=headers)
+            self.same(root, klein)
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_answers_and_streams_are_answered_alike(self) -> None:
+        root, klein = await self.both("POST", chat(stream=False))
+        self.same(root, klein, body=False)
+        self.assertEqual(root.status, 200)
+        root, klein = await self.both("POST", chat(), headers={"Origin": "https://chat.home.lan"})
+        self.same(root, klein, body=False)
+        self.assertEqual(root.events(), klein.events())
+        self.assertEqual(check_stream([d for _, d in root.frames()]), "complete")
+
+    @async_test
+    async def test_a_handler_that_fails_gets_twisteds_500_either_way(self) -> None:
+        async def broken(request: Any, record: Any) -> None:
+            raise RuntimeError("a bug")
+
+        self.servers.gateway.app.messages.answer = broken  # type: ignore[method-assign]
+        root, klein = await self.both("POST", chat())
+        self.same(root, klein)
+        self.assertEqual(root.status, 500)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
+
+
 class Catalogue(LLMSurface):
     @async_test
     async def test_models_list_and_get(self) -> None:

@@ -84,6 +84,26 @@ class Queue(LLMSurface):
         await self.drain(busy)
 
     @async_test
+    async def test_a_waiting_request_holds_none_of_kleins_render_chain(self) -> None:
+        """A waiter is answered by `web.GatewayRoot` and its flight, not Klein's `render`:
+        Klein would keep two more `notifyFinish` Deferreds (its own, besides `InFlight`'s),
+        its URL map adapter (in a `KleinRequest`), five closures and four callback pairs on
+        the flight's Deferred: ~4.4 KB a waiter (`python -m bench.waiters`)."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.until_text("event: queue")
+        flights = self.servers.gateway.inflight._active
+        waiting = [r for r, f in flights.items() if f.record.queue_wait is None]
+        self.assertEqual(len(waiting), 1)  # the two holding a slot have waited
+        for request in waiting:
+            self.assertEqual(len(request.notifications), 1)  # InFlight's
+            self.assertEqual(request._adapterCache, {})  # no KleinRequest with a map adapter
+        await queued.closed
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
     async def test_dropping_queue_frames_leaves_a_valid_anthropic_stream(self) -> None:
         busy = self.fill(2)
         await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")

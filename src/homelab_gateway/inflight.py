@@ -7,8 +7,9 @@ of them, then cancel the stragglers the same way. A cancelled handler tells the 
 the record's outcome: for "shutdown" the client is still there and gets an error answer.
 
 A request counts as in flight until twisted.web has finished it (`notifyFinish`), not until
-its handler returns: Klein writes a returned body after the handler's Deferred fires, so a
-drain that ended with the handler would let the process exit before the answer was written.
+its handler returns: Klein (or, for `/llm/v1/messages`, the flight itself) writes a returned
+body after the handler's Deferred fires, so a drain that ended with the handler would let the
+process exit before the answer was written.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
+from twisted.python import log
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
@@ -47,12 +49,19 @@ class InFlight:
         work: Coroutine[Any, Any, Any],
         *,
         anthropic: bool = True,
+        respond: bool = False,
     ) -> Deferred[Any]:
         """Drive `work` for `request`; a shutdown that cuts a handler before it answered gets
-        the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did."""
+        the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did.
+
+        With `respond`, the flight also writes what the handler returns and finishes the
+        request, as Klein does with a route's Deferred (see `web.GatewayRoot`); without it,
+        the caller (Klein) does."""
         flight = _Flight(self, request, record, ensureDeferred(work), anthropic)
         self._active[request] = flight
         request.notifyFinish().addBoth(flight.over)
+        if respond:
+            return flight.d.addCallbacks(flight.write, flight.failed)
         return flight.d.addErrback(flight.cut_by_shutdown)
 
     def _done(self, request: IRequest) -> None:
@@ -97,7 +106,7 @@ class _Flight:
     """One request in flight: what its two callbacks need, in one small object rather than
     closures and a second `notifyFinish` (thousands of them live while a queue is long)."""
 
-    __slots__ = ("anthropic", "d", "inflight", "record", "request")
+    __slots__ = ("anthropic", "d", "ended", "inflight", "record", "request")
 
     def __init__(
         self,
@@ -112,10 +121,12 @@ class _Flight:
         self.record = record
         self.d = d
         self.anthropic = anthropic
+        self.ended = False  # twisted.web finished the request, or the client left
 
     def over(self, result: object) -> None:
         """twisted.web finished the request: after Klein wrote a returned body, or the client
         left. Then the status is final, and the answer's last byte is with the transport."""
+        self.ended = True
         record, request = self.record, self.request
         if isinstance(result, Failure):  # the client left
             if record.outcome is None:
@@ -130,3 +141,40 @@ class _Flight:
         if self.record.outcome != "shutdown" or self.request.startedWriting:
             return failure
         return send_error(self.request, shutdown_error(), anthropic=self.anthropic)
+
+    # What Klein's `KleinResource.render` does with a route's Deferred, for a flight that
+    # answers its request itself (`respond`): one callback pair on the handler's Deferred, no
+    # per-request closures, `notifyFinish` Deferreds or URL map adapter kept while it waits.
+
+    def write(self, body: bytes | str | None) -> None:
+        """Write the handler's answer, if any, and finish the request unless twisted.web
+        already has (the handler finished it, or the client left)."""
+        request = self.request
+        try:
+            if isinstance(body, str):
+                body = body.encode("utf-8")
+            if isinstance(body, bytes):
+                request.write(body)
+            if not self.ended:
+                request.finish()
+        except Exception:
+            log.err(Failure(), "Unhandled Error writing response")
+
+    def failed(self, failure: Failure) -> None:
+        """A shutdown's cut gets its 503 (`cut_by_shutdown`); any other failure of a request
+        still open is twisted.web's 500; once the request is over, only an unexpected failure
+        is worth a log line (a client that left cancels its handler)."""
+        if (
+            failure.check(CancelledError)
+            and self.record.outcome == "shutdown"
+            and not self.request.startedWriting
+        ):
+            self.write(send_error(self.request, shutdown_error(), anthropic=self.anthropic))
+        elif self.ended:
+            if not failure.check(CancelledError):
+                log.err(failure, "Unhandled Error Processing Request.")
+        else:
+            try:
+                self.request.processingFailed(failure)
+            except Exception:
+                log.err(Failure(), "Unhandled Error writing response")

@@ -12,8 +12,12 @@ from typing import Any
 
 from klein import Klein
 from prometheus_client.twisted import MetricsResource
+from twisted.internet.defer import Deferred
+from twisted.python import log
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
 from werkzeug.exceptions import NotFound
 
 from homelab_gateway.access import AccessPolicy
@@ -32,6 +36,7 @@ from homelab_gateway.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
+MESSAGES_PATH = b"/llm/v1/messages"
 
 
 def _iso(at: float | None, now: float) -> str | None:
@@ -73,7 +78,14 @@ class GatewayApp:
         self.metrics_resource = MetricsResource(telemetry.registry)
         self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
 
-    def _work(self, request: IRequest, surface: str, work: Work, *, anthropic: bool) -> Any:
+    def resource(self) -> Resource:
+        """The site's root: Klein's resource, with the Messages route's one path served
+        without it (`GatewayRoot`)."""
+        return GatewayRoot(self)
+
+    def _work(
+        self, request: IRequest, surface: str, work: Work, *, anthropic: bool, respond: bool = False
+    ) -> Any:
         request_id = request.request_id  # GatewayRequest gives every answer one
         self.access.add_cors_headers(request)
         if self.access.cors_origins and self.access.is_preflight(request):
@@ -86,7 +98,9 @@ class GatewayApp:
             return send_error(request, refusal, anthropic=anthropic)
         caller = self.access.caller(request)
         record.client, record.priority = caller.client, caller.priority
-        return self.inflight.run(request, record, work(record), anthropic=anthropic)
+        return self.inflight.run(
+            request, record, work(record), anthropic=anthropic, respond=respond
+        )
 
     def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
         """CORS and, where `protected`, the API key for a read-only endpoint; an answer if the
@@ -118,10 +132,14 @@ class GatewayApp:
     def metrics(self, request: IRequest) -> Any:
         return self._light(request, protected=self.access.protect_metrics) or self.metrics_resource
 
-    @app.route("/llm/v1/messages")
-    def messages_route(self, request: IRequest) -> Any:
+    @app.route(MESSAGES_PATH.decode())
+    def messages_route(self, request: IRequest, *, respond: bool = False) -> Any:
         return self._work(
-            request, "messages", lambda r: self.messages.answer(request, r), anthropic=True
+            request,
+            "messages",
+            lambda r: self.messages.answer(request, r),
+            anthropic=True,
+            respond=respond,
         )
 
     @app.route("/llm/v1/messages/count_tokens")
@@ -305,3 +323,42 @@ class GatewayApp:
         anthropic = request.path.startswith(b"/llm/")
         error = GatewayError(404, "no route for this path")
         return send_error(request, error, anthropic=anthropic)
+
+
+class GatewayRoot(Resource):
+    """Klein's resource, except for requests to exactly `MESSAGES_PATH`, which are handed to
+    the Messages route here, as Klein would hand them, and answered the way Klein answers.
+
+    Klein's `render` keeps, for every request until it is answered, five closures, a URL map
+    adapter, two `notifyFinish` Deferreds and four callback pairs on the route's Deferred
+    (~4.4 KB by tracemalloc): nothing to a request answered at once, but thousands of streams
+    may wait in the line for minutes. Their `InFlight` flight writes the answer instead
+    (`respond`), with the one `notifyFinish` it has anyway. Any other path, an encoded form of
+    this one included, goes to Klein, which routes it to the same handler.
+    """
+
+    isLeaf = True  # as Klein's resource: routing is by the whole path
+
+    def __init__(self, app: GatewayApp) -> None:
+        super().__init__()
+        self.app = app
+        self.klein = app.app.resource()
+
+    def render(self, request: IRequest) -> Any:
+        if request.path != MESSAGES_PATH:
+            return self.klein.render(request)
+        # Where Klein leaves them: the route's three segments consumed (`process` set
+        # `prepath` to a new empty list and `postpath` to those segments).
+        request.prepath, request.postpath = request.postpath, request.prepath
+        try:
+            body = self.app.messages_route(request, respond=True)
+        except Exception:
+            request.processingFailed(Failure())
+            return NOT_DONE_YET
+        if not isinstance(body, Deferred):  # answered at once: a refusal, a preflight
+            try:
+                request.write(body)
+                request.finish()
+            except Exception:
+                log.err(Failure(), "Unhandled Error writing response")
+        return NOT_DONE_YET
