@@ -104,6 +104,25 @@ class Queue(LLMSurface):
         await self.drain(busy)
 
     @async_test
+    async def test_a_waiting_stream_lets_its_sent_response_headers_go(self) -> None:
+        """Once the first queue frame is written the head is on the wire; the request keeps no
+        copy of its headers for its wait (~1.2 KB a waiter, `python -m bench.waiters`)."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.until_text("event: queue")
+        self.assertEqual(queued.header("content-type"), "text/event-stream; charset=utf-8")
+        self.assertEqual(queued.header("cache-control"), "no-cache")
+        self.assertTrue(queued.header("request-id"))
+        written = [r for r in self.servers.gateway.inflight._active if r.startedWriting]
+        self.assertTrue(written)
+        for request in written:
+            self.assertEqual(list(request.responseHeaders.getAllRawHeaders()), [])
+        await queued.closed
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
     async def test_dropping_queue_frames_leaves_a_valid_anthropic_stream(self) -> None:
         busy = self.fill(2)
         await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")

@@ -17,6 +17,7 @@ from typing import Any
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
@@ -130,7 +131,12 @@ class EventStream:
             self.request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
             self.request.setHeader(b"cache-control", b"no-cache")
             self.request.setHeader(b"x-accel-buffering", b"no")  # nginx: do not buffer SSE
-        self.request.write(frames)
+            self.request.write(frames)
+            # The head is on the wire and twisted.web never reads these headers again; a
+            # queued stream would keep them (~1 KB) for its whole wait.
+            self.request.responseHeaders = Headers()
+        else:
+            self.request.write(frames)
         if self._timer is not None and self._timer.active():
             self._timer.reset(self.ping_interval)
         elif self._keepalive is not None or self._position is not None:
