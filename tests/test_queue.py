@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import inspect
 import json
 import sys
 import time
@@ -118,6 +120,33 @@ class Queue(LLMSurface):
         self.assertTrue(written)
         for request in written:
             self.assertEqual(list(request.responseHeaders.getAllRawHeaders()), [])
+        await queued.closed
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
+    async def test_a_waiting_stream_awaits_through_three_coroutines(self) -> None:
+        """`answer` -> `_attempts` -> `hold_slot` -> the line's Deferred: each coroutine's
+        frame is held for the whole wait, so a stream has no coroutine level of its own (its
+        frame was ~0.3 KB a waiter, `python -m bench.waiters`)."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        await queued.until_text("event: queue")
+        flights = self.servers.gateway.inflight._active
+        (waiting,) = [r for r, f in flights.items() if f.record.queue_wait is None]
+        (outer,) = [
+            o
+            for o in gc.get_objects()
+            if inspect.iscoroutine(o)
+            and o.cr_code.co_name == "answer"
+            and o.cr_frame.f_locals.get("request") is waiting
+        ]
+        chain, awaited = [], outer
+        while inspect.iscoroutine(awaited):
+            chain.append(awaited.cr_code.co_name)
+            awaited = awaited.cr_await
+        self.assertEqual(chain, ["answer", "_attempts", "hold_slot"])
         await queued.closed
         self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
         await self.drain(busy)

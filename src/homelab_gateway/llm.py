@@ -317,22 +317,41 @@ class Messages:
         return Target(model, pools, session), mapped
 
     async def answer(self, request: IRequest, record: RequestRecord) -> bytes | None:
+        """The answer to one request: a body to send, or None once it streamed its answer.
+
+        A stream is handled here rather than in a coroutine of its own: every waiting stream
+        would hold that coroutine's frame (~0.3 KB) for its whole wait."""
         if request.method != b"POST":
             request.setHeader(b"allow", b"POST")
             return send_error(request, GatewayError(405, "use POST for /v1/messages"))
+        stream: EventStream | None = None
         try:
             target, mapped = self.resolve(request, record)
-            if mapped.stream:
-                await self._stream(request, record, target, mapped)
-                return None
-            return send_json(request, 200, await self._whole(record, target, mapped))
+            if not mapped.stream:
+                return send_json(request, 200, await self._whole(record, target, mapped))
+            stream = EventStream(request, self.clock, self.ping_interval)
+            stream.estimator = target.pools[0].slots.estimate
+            await self._attempts(
+                record, target, mapped, stream.queue_position, request, stream.send
+            )
+            return None
         except GatewayError as e:
             record.outcome = record.outcome or e.outcome
+            if stream is not None and stream.started:  # too late for an HTTP error
+                stream.send([error_event(e.error_type, e.message)])
+                return None
             return send_error(request, e)
         except CancelledError:
             if record.outcome != "shutdown":
                 raise  # the client left: there is no one to answer
-            return send_error(request, shutdown_error())
+            error = shutdown_error()
+            if stream is not None and stream.started:
+                stream.send([error_event(error.error_type, error.message)])
+                return None
+            return send_error(request, error)
+        finally:
+            if stream is not None:
+                stream.close()
 
     async def _attempts(
         self,
@@ -403,28 +422,6 @@ class Messages:
             self.on_retry(pool.upstream.name, fault, any(p.replica not in avoid for p in pools))
             if deadline is None:
                 deadline = started + max(p.queue_timeout for p in target.pools)
-
-    async def _stream(
-        self, request: IRequest, record: RequestRecord, target: Target, mapped: MappedRequest
-    ) -> None:
-        stream = EventStream(request, self.clock, self.ping_interval)
-        stream.estimator = target.pools[0].slots.estimate
-        try:
-            await self._attempts(
-                record, target, mapped, stream.queue_position, request, stream.send
-            )
-        except GatewayError as e:
-            record.outcome = record.outcome or e.outcome
-            if not stream.started:
-                raise
-            stream.send([error_event(e.error_type, e.message)])
-        except CancelledError:
-            if record.outcome != "shutdown" or not stream.started:
-                raise
-            error = shutdown_error()
-            stream.send([error_event(error.error_type, error.message)])
-        finally:
-            stream.close()
 
     async def _whole(
         self, record: RequestRecord, target: Target, mapped: MappedRequest
