@@ -152,6 +152,25 @@ class Queue(LLMSurface):
         await self.drain(busy)
 
     @async_test
+    async def test_a_waiting_request_lets_its_read_request_headers_go(self) -> None:
+        """What the gateway needs from a request's headers (the key, the client, the class,
+        the session) is read before it waits; it keeps none of them for its wait (~0.7 KB a
+        waiter with bench's five headers, `python -m bench.waiters`; a real client sends
+        more)."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        session = {"x-claude-code-session-id": "s-1", "x-priority": "batch"}
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", chat(), headers=session)
+        await queued.until_text("event: queue")
+        flights = self.servers.gateway.inflight._active
+        (waiting,) = [r for r, f in flights.items() if f.record.queue_wait is None]
+        self.assertEqual(list(waiting.requestHeaders.getAllRawHeaders()), [])
+        self.assertEqual(flights[waiting].record.priority, "batch")
+        await queued.closed
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
     async def test_dropping_queue_frames_leaves_a_valid_anthropic_stream(self) -> None:
         busy = self.fill(2)
         await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
