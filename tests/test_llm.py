@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
@@ -297,7 +298,9 @@ class RootAndKlein(LLMSurface):
     encoded form of the same path still goes through Klein to the same handler. Both must
     answer alike, byte for byte but for the request's id, its date and generated ids."""
 
-    gateway_overrides = {"server": {"cors_origins": ["https://chat.home.lan"]}}
+    gateway_overrides = {
+        "server": {"cors_origins": ["https://chat.home.lan"], "shutdown_grace": 0.2}
+    }
     KLEIN_PATH = "/llm/v1/%6Dessages"  # the same route once decoded: Klein's way in
 
     async def both(self, method: str, body: Any = None, **kw: Any) -> list[Any]:
@@ -350,6 +353,23 @@ class RootAndKlein(LLMSurface):
         self.same(root, klein)
         self.assertEqual(root.status, 500)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
+
+    @async_test
+    async def test_a_handler_cut_by_shutdown_gets_the_503_either_way(self) -> None:
+        async def stuck(request: Any, record: Any) -> None:
+            await Deferred()  # never answers, and lets the cancel through
+
+        self.servers.gateway.app.messages.answer = stuck  # type: ignore[method-assign]
+        root = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        klein = raw_request(self.port, "POST", self.KLEIN_PATH, chat())
+        inflight = self.servers.gateway.inflight
+        await wait_for(lambda: len(inflight) == 2, what="both requests in flight")
+        await self.servers.gateway.drain()
+        await root.closed
+        await klein.closed
+        self.same(root, klein)
+        self.assertEqual(root.status, 503)
+        self.assertEqual(json.loads(root.body_text())["error"]["type"], "overloaded_error")
 
 
 class Catalogue(LLMSurface):
