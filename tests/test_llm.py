@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from klein import Klein
+from twisted.internet import reactor
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.channel import WireLimits
+from homelab_gateway.channel import GatewaySite, WireLimits, send_at_once
 from homelab_gateway.upstream import UpstreamPool
 from tests.grammar import check_stream
 from tests.helpers import PROMPTLY, Servers, chat, gateway_document, raw_request, wait_for
@@ -293,32 +295,50 @@ class Errors(LLMSurface):
         self.assertEqual(response.status, 200)
 
 
-class RootAndKlein(LLMSurface):
-    """`/llm/v1/messages` is served by `web.GatewayRoot` without Klein's render chain; an
-    encoded form of the same path still goes through Klein to the same handler. Both must
-    answer alike, byte for byte but for the request's id, its date and generated ids."""
+class AsKleinWroteIt(LLMSurface):
+    """`/llm/v1/messages` is a Klein route whose request's flight writes the answer and
+    finishes the request (Klein gets `web.ANSWERED_BY_ITS_FLIGHT`). Before, the route gave
+    Klein the handler's Deferred and Klein wrote the answer; that route, on the same gateway
+    objects, is served here on a port of its own, and both must answer alike, byte for byte
+    but for the request's id, its date and generated ids."""
 
     gateway_overrides = {
         "server": {"cors_origins": ["https://chat.home.lan"], "shutdown_grace": 0.2}
     }
-    KLEIN_PATH = "/llm/v1/%6Dessages"  # the same route once decoded: Klein's way in
+
+    def setUp(self) -> None:
+        super().setUp()
+        gateway = self.servers.gateway
+        app = gateway.app
+        before = Klein()
+
+        @before.route("/llm/v1/messages")
+        def messages(request: Any) -> Any:  # the route as it was: Klein writes the answer
+            return app._work(
+                request, "messages", lambda r: app.messages.answer(request, r), anthropic=True
+            )
+
+        site = GatewaySite(before.resource(), gateway.site.limits, reactor=reactor)
+        site.displayTracebacks = False
+        self.before_port = self.servers.listen(site)
+        send_at_once(self.servers.ports[-1])
 
     async def both(self, method: str, body: Any = None, **kw: Any) -> list[Any]:
         answers = []
-        for path in ("/llm/v1/messages", self.KLEIN_PATH):
-            response = raw_request(self.port, method, path, body, **kw)
+        for port in (self.port, self.before_port):
+            response = raw_request(port, method, "/llm/v1/messages", body, **kw)
             await response.closed
             answers.append(response)
         return answers
 
-    def same(self, root: Any, klein: Any, *, body: bool = True) -> None:
+    def same(self, now: Any, before: Any, *, body: bool = True) -> None:
         def head(response: Any) -> list[str]:
             lines = response.head.split("\r\n")
             return [line for line in lines if not line.lower().startswith(("request-id", "date"))]
 
-        self.assertEqual(head(root), head(klein))
+        self.assertEqual(head(now), head(before))
         if body:
-            self.assertEqual(root.body_bytes(), klein.body_bytes())
+            self.assertEqual(now.body_bytes(), before.body_bytes())
 
     @async_test
     async def test_refusals_and_preflights_are_answered_alike(self) -> None:
@@ -329,19 +349,19 @@ class RootAndKlein(LLMSurface):
             ("POST", chat(model="ghost"), None),
             ("OPTIONS", None, cors),
         ):
-            root, klein = await self.both(method, body, headers=headers)
-            self.same(root, klein)
+            now, before = await self.both(method, body, headers=headers)
+            self.same(now, before)
         self.assertEqual(self.stub.stats.requests, 0)
 
     @async_test
     async def test_answers_and_streams_are_answered_alike(self) -> None:
-        root, klein = await self.both("POST", chat(stream=False))
-        self.same(root, klein, body=False)
-        self.assertEqual(root.status, 200)
-        root, klein = await self.both("POST", chat(), headers={"Origin": "https://chat.home.lan"})
-        self.same(root, klein, body=False)
-        self.assertEqual(root.events(), klein.events())
-        self.assertEqual(check_stream([d for _, d in root.frames()]), "complete")
+        now, before = await self.both("POST", chat(stream=False))
+        self.same(now, before, body=False)
+        self.assertEqual(now.status, 200)
+        now, before = await self.both("POST", chat(), headers={"Origin": "https://chat.home.lan"})
+        self.same(now, before, body=False)
+        self.assertEqual(now.events(), before.events())
+        self.assertEqual(check_stream([d for _, d in now.frames()]), "complete")
 
     @async_test
     async def test_a_handler_that_fails_gets_twisteds_500_either_way(self) -> None:
@@ -349,9 +369,9 @@ class RootAndKlein(LLMSurface):
             raise RuntimeError("a bug")
 
         self.servers.gateway.app.messages.answer = broken  # type: ignore[method-assign]
-        root, klein = await self.both("POST", chat())
-        self.same(root, klein)
-        self.assertEqual(root.status, 500)
+        now, before = await self.both("POST", chat())
+        self.same(now, before)
+        self.assertEqual(now.status, 500)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
 
     @async_test
@@ -360,16 +380,37 @@ class RootAndKlein(LLMSurface):
             await Deferred()  # never answers, and lets the cancel through
 
         self.servers.gateway.app.messages.answer = stuck  # type: ignore[method-assign]
-        root = raw_request(self.port, "POST", "/llm/v1/messages", chat())
-        klein = raw_request(self.port, "POST", self.KLEIN_PATH, chat())
+        now = raw_request(self.port, "POST", "/llm/v1/messages", chat())
+        before = raw_request(self.before_port, "POST", "/llm/v1/messages", chat())
         inflight = self.servers.gateway.inflight
         await wait_for(lambda: len(inflight) == 2, what="both requests in flight")
         await self.servers.gateway.drain()
-        await root.closed
-        await klein.closed
-        self.same(root, klein)
-        self.assertEqual(root.status, 503)
-        self.assertEqual(json.loads(root.body_text())["error"]["type"], "overloaded_error")
+        await now.closed
+        await before.closed
+        self.same(now, before)
+        self.assertEqual(now.status, 503)
+        self.assertEqual(json.loads(now.body_text())["error"]["type"], "overloaded_error")
+
+    @async_test
+    async def test_a_client_that_leaves_cancels_its_handler_either_way(self) -> None:
+        cancelled: list[str] = []
+
+        async def stuck(request: Any, record: Any) -> None:
+            try:
+                await Deferred()
+            except CancelledError:
+                cancelled.append(record.outcome)
+                raise
+
+        self.servers.gateway.app.messages.answer = stuck  # type: ignore[method-assign]
+        inflight = self.servers.gateway.inflight
+        for port in (self.port, self.before_port):
+            response = raw_request(port, "POST", "/llm/v1/messages", chat())
+            await wait_for(lambda: len(inflight) == 1, what="the request in flight")
+            response.disconnect()
+            await wait_for(lambda: len(inflight) == 0, what="the flight to end")
+        self.assertEqual(cancelled, ["client_disconnected"] * 2)
+        self.assertEqual(self.flushLoggedErrors(), [])
 
 
 class Catalogue(LLMSurface):

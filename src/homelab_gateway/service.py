@@ -103,7 +103,7 @@ class Gateway:
             readiness=self.readiness,
             cluster=self.cluster,
         )
-        self.site = GatewaySite(self.app.resource(), self._limits(config), reactor=reactor)
+        self.site = GatewaySite(self.app.app.resource(), self._limits(config), reactor=reactor)
         self.site.displayTracebacks = False
 
     def _sync_pools(self, old: Config | None, new: Config) -> None:

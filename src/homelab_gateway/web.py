@@ -13,7 +13,6 @@ from typing import Any
 from klein import Klein
 from prometheus_client.twisted import MetricsResource
 from twisted.internet.defer import Deferred
-from twisted.python import log
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
@@ -36,7 +35,6 @@ from homelab_gateway.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
-MESSAGES_PATH = b"/llm/v1/messages"
 
 
 def _iso(at: float | None, now: float) -> str | None:
@@ -77,11 +75,6 @@ class GatewayApp:
         self.readiness = readiness
         self.metrics_resource = MetricsResource(telemetry.registry)
         self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
-
-    def resource(self) -> Resource:
-        """The site's root: Klein's resource, with the Messages route's one path served
-        without it (`GatewayRoot`)."""
-        return GatewayRoot(self)
 
     def _work(
         self, request: IRequest, surface: str, work: Work, *, anthropic: bool, respond: bool = False
@@ -132,15 +125,21 @@ class GatewayApp:
     def metrics(self, request: IRequest) -> Any:
         return self._light(request, protected=self.access.protect_metrics) or self.metrics_resource
 
-    @app.route(MESSAGES_PATH.decode())
-    def messages_route(self, request: IRequest, *, respond: bool = False) -> Any:
-        return self._work(
+    @app.route("/llm/v1/messages")
+    def messages_route(self, request: IRequest) -> Any:
+        """The request's flight writes the answer and finishes the request (`respond`); Klein
+        gets `ANSWERED_BY_ITS_FLIGHT`, so its render chain ends here rather than hold, for a
+        stream's whole wait in the line, its closures and the callbacks on the handler's
+        Deferred (see `AnsweredByItsFlight`). An answer given at once (a refusal, a preflight)
+        is Klein's to write, as any route's."""
+        answer = self._work(
             request,
             "messages",
             lambda r: self.messages.answer(request, r),
             anthropic=True,
-            respond=respond,
+            respond=True,
         )
+        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
 
     @app.route("/llm/v1/messages/count_tokens")
     def count_tokens(self, request: IRequest) -> Any:
@@ -325,40 +324,24 @@ class GatewayApp:
         return send_error(request, error, anthropic=anthropic)
 
 
-class GatewayRoot(Resource):
-    """Klein's resource, except for requests to exactly `MESSAGES_PATH`, which are handed to
-    the Messages route here, as Klein would hand them, and answered the way Klein answers.
+class AnsweredByItsFlight(Resource):
+    """What a route returns to Klein for a request whose `InFlight` flight writes the answer
+    and finishes the request itself (`InFlight.run(..., respond=True)`).
 
-    Klein's `render` keeps, for every request until it is answered, five closures, a URL map
-    adapter, two `notifyFinish` Deferreds and four callback pairs on the route's Deferred
-    (~4.4 KB by tracemalloc): nothing to a request answered at once, but thousands of streams
-    may wait in the line for minutes. Their `InFlight` flight writes the answer instead
-    (`respond`), with the one `notifyFinish` it has anyway. Any other path, an encoded form of
-    this one included, goes to Klein, which routes it to the same handler.
+    Klein renders a returned resource at once and leaves the request to it: its per-request
+    Deferred chain ends then, instead of holding three closures and four callback pairs on the
+    handler's Deferred until the answer is written, which for a stream waiting in the line is
+    minutes (~2.4 KB a waiter by tracemalloc). Of Klein's render, what it sets up before it
+    calls a route stays with the request: its URL map adapter and two `notifyFinish`
+    Deferreds (a closure that notes the end, a lambda that would cancel the route's Deferred,
+    already fired). Rendering writes nothing (`NOT_DONE_YET`): the flight has begun, or even
+    finished, the request. One object serves every request: nothing of it is per request.
     """
 
-    isLeaf = True  # as Klein's resource: routing is by the whole path
-
-    def __init__(self, app: GatewayApp) -> None:
-        super().__init__()
-        self.app = app
-        self.klein = app.app.resource()
+    isLeaf = True  # Klein consumed the route's path; nothing below it to look up
 
     def render(self, request: IRequest) -> Any:
-        if request.path != MESSAGES_PATH:
-            return self.klein.render(request)
-        # Where Klein leaves them: the route's three segments consumed (`process` set
-        # `prepath` to a new empty list and `postpath` to those segments).
-        request.prepath, request.postpath = request.postpath, request.prepath
-        try:
-            body = self.app.messages_route(request, respond=True)
-        except Exception:
-            request.processingFailed(Failure())
-            return NOT_DONE_YET
-        if not isinstance(body, Deferred):  # answered at once: a refusal, a preflight
-            try:
-                request.write(body)
-                request.finish()
-            except Exception:
-                log.err(Failure(), "Unhandled Error writing response")
         return NOT_DONE_YET
+
+
+ANSWERED_BY_ITS_FLIGHT = AnsweredByItsFlight()
