@@ -89,11 +89,11 @@ class Queue(LLMSurface):
     @async_test
     async def test_a_waiting_request_keeps_no_callbacks_of_kleins_render_chain(self) -> None:
         """Klein routes a waiter, but its flight answers it (`web.AnsweredByItsFlight`), so
-        Klein's render chain ended when the route returned: the request keeps what Klein sets
-        up before it calls a route (two `notifyFinish` Deferreds, with its `_finish` closure
-        and the lambda that would cancel the route's Deferred, already fired) and none of the
+        Klein's render chain ended when the route returned: the request keeps two
+        `notifyFinish` Deferreds Klein adds before it calls a route (its `_finish` closure and
+        the lambda that would cancel the route's Deferred, already fired), and none of the
         closures and callback pairs that wait to write an answer (~2.4 KB a waiter, `python -m
-        bench.waiters`)."""
+        bench.waiters`) nor Klein's URL map adapter (a `KleinRequest`, ~0.7 KB)."""
         busy = self.fill(2)
         await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat())
@@ -103,6 +103,7 @@ class Queue(LLMSurface):
         self.assertEqual(len(waiting), 1)  # the two holding a slot have waited
         for request in waiting:
             self.assertEqual(len(request.notifications), 3)  # Klein's two, InFlight's
+            self.assertEqual(request._adapterCache, {})  # no KleinRequest with a map adapter
         gc.collect()
         kleins = [
             f.__qualname__.rpartition(".")[2]
