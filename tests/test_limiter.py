@@ -178,15 +178,21 @@ class Rises(TestCase):
         self.clock.advance(0.5)
         self.assertEqual(nightly, [1, 2, 1])
 
-    def test_an_adopted_waiter_ageing_past_one_of_the_new_line_tells_it_at_once(self) -> None:
-        """A reload moves a batch waiter into a line whose waiters it will overtake by ageing;
-        nothing else joins after it, so the adoption itself must set the aging timer."""
+    def nightly_elsewhere(self) -> tuple[PositionedSemaphore, list[int]]:
+        """A line of its own where a batch waiter has queued since 0 s, and what it is told;
+        a reload will move it into this test's line, whose slot is taken at 0 s too."""
         old = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=10.0)
         self.addCleanup(old.close)
         old.acquire_in_line(client="x")
         nightly: list[int] = []
         old.acquire_in_line(nightly.append, client="nightly", rank=BATCH)
         self.sem.acquire_in_line(client="x")
+        return old, nightly
+
+    def test_an_adopted_waiter_ageing_past_one_of_the_new_line_tells_it_at_once(self) -> None:
+        """A reload moves a batch waiter into a line whose waiters it will overtake by ageing;
+        nothing else joins after it, so the adoption itself must set the aging timer."""
+        old, nightly = self.nightly_elsewhere()
         self.clock.advance(5)
         _, chat = self.waiter("chat")
         self.sem.adopt(old)
@@ -198,12 +204,7 @@ class Rises(TestCase):
     def test_an_adopted_waiter_that_ages_before_the_new_lines_timer_moves_it_sooner(self) -> None:
         """The new line's timer waits for its own waiters' crossing at 15 s; the adopted one,
         older, crosses at 10 s."""
-        old = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=10.0)
-        self.addCleanup(old.close)
-        old.acquire_in_line(client="x")
-        nightly: list[int] = []
-        old.acquire_in_line(nightly.append, client="nightly", rank=BATCH)
-        self.sem.acquire_in_line(client="x")
+        old, nightly = self.nightly_elsewhere()
         self.clock.advance(5)
         (_, chat), (_, pal) = self.waiter("chat"), self.waiter("pal")
         self.sem.adopt(old)

@@ -15,7 +15,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
-from homelab_gateway.line import CLASS_RANK, Line, effective_rank
+from homelab_gateway.line import CLASS_RANK, Line, Waiter, _crossing, effective_rank
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
 INTERVAL = 0.4
@@ -62,6 +62,14 @@ class LineUnit(TestCase):
         self.assertEqual(
             line.next_aging(10.5), 11.0, "b2 becomes normal at 11, b1 interactive at 20"
         )
+
+    def test_a_crossing_near_zero_is_found_exactly_and_at_once(self) -> None:
+        """Near 0 the floats are tiny: a walk float by float from the sum to the first crossed
+        moment never ended (a test's clock gone back below 0 hung the suite)."""
+        waiter = Waiter("w", "c", NORMAL, -1.0)
+        at = _crossing(waiter, INTERACTIVE, 1.0, 1.0)
+        self.assertEqual(effective_rank(NORMAL, at + 1.0, 1.0), INTERACTIVE)
+        self.assertEqual(effective_rank(NORMAL, math.nextafter(at, -math.inf) + 1.0, 1.0), NORMAL)
 
     def test_a_client_that_held_slots_longer_waits_behind_one_that_did_not(self) -> None:
         line: Line[str] = Line()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import struct
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -669,14 +670,46 @@ class Line(Generic[T]):
 
 def _crossing(waiter: Waiter, better: int, after: float, aging: float) -> float:
     """The first float moment at which `waiter` is served as class `better`, about `after`
-    seconds after it arrived: `effective_rank` decides, not the arithmetic."""
+    seconds after it arrived: `effective_rank` decides, not the arithmetic.
 
-    def crossed(at: float) -> bool:
-        return effective_rank(waiter.rank, at - waiter.arrived, aging) <= better
+    The sum is off by a few floats at most, but those can be tiny: near 0 (a test's clock) a
+    walk from it float by float down to the first crossed one would take longer than the age
+    of the universe. So it gallops from the sum to a moment on each side, then bisects, over
+    the floats in order (`_ordered`)."""
 
-    at = waiter.arrived + after
-    while not crossed(at):
-        at = math.nextafter(at, math.inf)
-    while crossed(earlier := math.nextafter(at, -math.inf)):
-        at = earlier
-    return at
+    def crossed(moment: int) -> bool:
+        return effective_rank(waiter.rank, _float(moment) - waiter.arrived, aging) <= better
+
+    step, estimate = 1, _ordered(waiter.arrived + after)
+    if crossed(estimate):
+        high = estimate
+        while crossed(low := high - step):
+            high, step = low, step * 2
+    else:
+        low = estimate
+        while not crossed(high := low + step):
+            low, step = high, step * 2
+    while high - low > 1:  # crossed at `high`, not at `low`
+        middle = (low + high) // 2
+        if crossed(middle):
+            high = middle
+        else:
+            low = middle
+    return _float(high)
+
+
+_DOUBLE, _BITS = struct.Struct("<d"), struct.Struct("<q")
+_SIGN = 1 << 63
+
+
+def _ordered(value: float) -> int:
+    """`value`'s place among the floats: consecutive floats are consecutive integers (both
+    zeros are 0)."""
+    (bits,) = _BITS.unpack(_DOUBLE.pack(value))
+    return bits if bits >= 0 else -(bits + _SIGN)
+
+
+def _float(place: int) -> float:
+    """The float at `place` (`_ordered`'s inverse)."""
+    (value,) = _DOUBLE.unpack(_BITS.pack(place if place >= 0 else -place - _SIGN))
+    return value
