@@ -16,7 +16,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.channel import GatewaySite, WireLimits, send_at_once
-from homelab_gateway.upstream import UpstreamPool
+from homelab_gateway.connections import UpstreamPool
 from tests.grammar import check_stream
 from tests.helpers import PROMPTLY, Servers, chat, gateway_document, raw_request, wait_for
 from tests.test_proxy import async_test

@@ -39,6 +39,7 @@ from homelab_gateway.config import (
     load_config,
     with_backlog,
 )
+from homelab_gateway.connections import UpstreamPool
 from homelab_gateway.errors import GatewayError
 from homelab_gateway.heap import settle_heap
 from homelab_gateway.inflight import InFlight
@@ -51,7 +52,7 @@ from homelab_gateway.reload import config_changes
 from homelab_gateway.replicas import DOWN
 from homelab_gateway.shared import SharedSemaphore
 from homelab_gateway.telemetry import Telemetry
-from homelab_gateway.upstream import EndpointPerHost, RawHTTP, Upstream, UpstreamPool, llm_http
+from homelab_gateway.upstream import EndpointPerHost, RawHTTP, Upstream, llm_http
 from homelab_gateway.web import GatewayApp
 
 log = Logger()

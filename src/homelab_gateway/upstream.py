@@ -10,7 +10,6 @@ idle timer stops, since the silence is the gateway's own doing.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,6 @@ from twisted.web import http
 from twisted.web.client import (
     URI,
     BrowserLikePolicyForHTTPS,
-    HTTPConnectionPool,
     RequestNotSent,
     ResponseDone,
     ResponseFailed,
@@ -425,52 +423,6 @@ class Backpressure:
 def _wraps(e: BaseException, *kinds: type[BaseException]) -> bool:
     reasons = getattr(e, "reasons", None) or []
     return any(isinstance(r, Failure) and r.check(*kinds) for r in reasons)
-
-
-class UpstreamPool(HTTPConnectionPool):
-    """Persistent upstream connections, minus three ways Twisted's pool hands out a dead one.
-
-    A response can finish in the same read in which we asked its connection to close (the
-    translator gave up on a stream whose `[DONE]` came in that read); Twisted would cache that
-    closing connection. An idle connection is kept 240 s by default, while uvicorn (vLLM)
-    closes its side after 5 s. And an idle connection whose close (or anything else: an idle
-    connection has nothing to say) has arrived but not yet been read by the reactor looks
-    alive: it is checked before a request is written on it, as urllib3 does, because after
-    the write nothing can tell whether the upstream read the request.
-    """
-
-    cachedConnectionTimeout = 4
-
-    def getConnection(self, key: Any, endpoint: Any) -> Deferred[Any]:
-        connections = self._connections.get(key)
-        while connections and connections[0].state == "QUIESCENT" and _has_input(connections[0]):
-            stale = connections.pop(0)
-            self._timeouts.pop(stale).cancel()
-            stale.transport.abortConnection()
-        return super().getConnection(key, endpoint)
-
-    def _putConnection(self, key: Any, connection: Any) -> None:
-        transport = connection.transport
-        if transport is None or getattr(transport, "disconnecting", False):
-            return  # already closing: its connectionLost takes it out of every list
-        super()._putConnection(key, connection)
-
-
-def _has_input(connection: Any) -> bool:
-    """Whether an idle connection's socket has input waiting (the peer's close, or a reset)."""
-    transport = connection.transport
-    while transport is not None:
-        handle = transport.getHandle() if hasattr(transport, "getHandle") else None
-        if isinstance(handle, socket.socket):
-            try:
-                handle.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return False  # nothing waiting: the connection is as idle as it looks
-            except OSError:
-                return True  # a reset
-            return True  # the peer's close (b""), or bytes an idle connection should not send
-        transport = getattr(transport, "transport", None)  # TLS: the TCP transport beneath
-    return False
 
 
 def _reason(e: BaseException) -> str:
