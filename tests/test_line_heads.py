@@ -85,6 +85,9 @@ class Checked:
         head = line.head(now)
         self.test.assertEqual(head, None if expected is None else expected.item)
         self.test.assertEqual(next(iter(line.order(now)), None), head, "pop and order disagree")
+        order = list(line.order(now))
+        self.test.assertEqual(list(line.leading(now)), order, "leading is not order")
+        self.test.assertEqual(list(line.order(now)), order, "leading changed the line")
         aging = walked_aging(line, now)
         self.test.assertEqual(line.next_aging(now), aging)
         if not self.went_back:

@@ -23,8 +23,10 @@ every operation on it is O(1) except `order`, which is one O(n) walk. With q (cl
 FIFOs waiting, `head` and `pop` (and the bookkeeping of `join`, `leave`, `take`, `admit` and
 `settle`) are O(log n) amortized, on heaps of the FIFOs' heads and of the waiters' aging
 crossings, not a walk of every client: many distinct clients (peer addresses) waiting at once
-do not make each grant slower. So is `next_aging`. Only a clock that went back past a crossing
-falls back to a walk (O(q), O(n) for `next_aging`), for that call.
+do not make each grant slower. So is `next_aging`, and so is each of the first waiters of
+`leading` (the order found lazily on those heaps, for a walk that stops after a few). Only a
+clock that went back past a crossing falls back to a walk (O(q), O(n) for `next_aging`), for
+that call.
 
 What can move a waiter *back* (a higher position) matters to the limiter, which must say so at
 once, so the line tells it, and the tests hold it to this:
@@ -607,6 +609,94 @@ class Line(Generic[T]):
                 )
             else:
                 heapq.heappop(heap)
+
+    def leading(self, now: float) -> Iterator[T]:
+        """`order(now)`, the same waiters in the same order, found lazily on the heaps of heads:
+        the first k cost O(k log k) amortized, where `order` spends O(q) on a heap of every
+        FIFO's head before it yields the first. For a walk that stops after a few (the shared
+        line's claims: a free slot or two, for the first waiters not yet claimed for).
+
+        It replays `pop` as `_merged` does, over the live heaps without changing them: a
+        frontier heap holds their entries reached so far, each under a key that is a lower
+        bound of its head's key in the replay (V and the clients' finishes only grow), and
+        children enter when their parent leaves it, so a heap's order is kept. An entry whose
+        key grew is put back under its true key; the FIFOs the replay took from, and the
+        clients it charged, are kept aside (`taken`, `finish`). A `now` at which the heads'
+        classes are not kept (a clock that went back, `_age`) falls back to `order`. As with
+        `order`, the line must not change while the walk goes on.
+        """
+        if self._sole is not None:
+            return map(_item, self._sole)
+        if not self._queues or not self._age(now):
+            return self.order(now)
+        return self._lazily(now)
+
+    def _lazily(self, now: float) -> Iterator[T]:
+        virtual = self._virtual
+        even, owing = self._even, self._owing
+        finish: dict[int, float] = {}  # id of a client charged in the replay -> its finish
+        taken: dict[int, int] = {}  # id of a FIFO the replay took from -> how many
+        tick = 0  # a unique last key, so that entries never compare their FIFOs
+        # (class, start, arrived, client seq, FIFO seq, tick, source, where): source 0 and 1
+        # are `_even` and `_owing` at index `where`, 2 a FIFO (`where`) the replay moved on.
+        frontier: list[tuple[int, float, float, int, int, int, int, object]] = []
+
+        def reach(source: int, index: int) -> None:
+            nonlocal tick
+            heap = owing if source else even
+            if index >= len(heap):
+                return
+            entry = heap[index]
+            tick += 1
+            if not source:
+                key = (entry[0], virtual, *entry[1:4])
+            elif entry[1] > virtual:
+                key = entry[:5]
+            else:  # its client starts at V: below every key of its class, whatever it arrived
+                key = (entry[0], virtual, -math.inf, 0, 0)
+            heapq.heappush(frontier, (*key, tick, source, index))
+
+        def keyed(queue: _Fifo, at: int) -> tuple[int, float, float, int, int]:
+            state, waiter = queue.client, queue[at]
+            start = max(virtual, finish.get(id(state), state.finish))
+            return (self._rank_at(waiter, now), start, waiter.arrived, state.seq, queue.seq)
+
+        reach(0, 0)
+        reach(1, 0)
+        while frontier:
+            top = frontier[0]
+            source, where = top[6], top[7]
+            if source == 2:
+                assert isinstance(where, _Fifo)
+                queue, at = where, taken[id(where)]
+            else:
+                heapq.heappop(frontier)
+                assert isinstance(where, int)
+                reach(source, 2 * where + 1)
+                reach(source, 2 * where + 2)
+                entry = (owing if source else even)[where]
+                queue, at = entry[-1], 0
+                if entry[-2] != queue.stamp or id(queue) in taken:  # stale, or replayed aside
+                    continue
+            key = keyed(queue, at)
+            if key > top[:5]:  # its start moved on (or its bound was low): back under it
+                tick += 1
+                if source == 2:
+                    heapq.heapreplace(frontier, (*key, tick, 2, queue))
+                else:
+                    heapq.heappush(frontier, (*key, tick, 2, queue))
+                taken.setdefault(id(queue), 0)
+                continue
+            if source == 2:
+                heapq.heappop(frontier)
+            yield queue[at].item
+            state = queue.client
+            virtual = key[1]
+            finish[id(state)] = key[1] + state.estimate / state.weight
+            taken[id(queue)] = at + 1
+            if at + 1 < len(queue):
+                tick += 1
+                heapq.heappush(frontier, (*keyed(queue, at + 1), tick, 2, queue))
 
     def next_aging(self, now: float) -> float | None:
         """The first moment after `now` at which some waiter is served as a better class, if
