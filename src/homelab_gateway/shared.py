@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -323,7 +324,10 @@ class SharedSemaphore(PositionedSemaphore):
         spare = sum(budget.values()) - len(self._claiming)
         if spare <= 0:
             return
-        for item in self._order(now):
+        # The order found lazily (`Line.leading`): a claim is for the first waiters not yet
+        # claimed for, so it stops after a few; `order` would cost every FIFO's head first.
+        line = self.line.leading(now)
+        for item in chain(self._first, line) if self._first else line:
             w = self._ids[item]
             if w in self._claiming:
                 continue

@@ -1,0 +1,243 @@
+"""Whom a gateway's copy of the shared line claims a free slot for: the same waiters, in the same
+order, with the same preferred upstreams, as the walk of its whole order that `_claim` made
+before it found the order lazily (`Line.leading`). No Redis: the copy is driven by the events
+Redis would append, and its claims are answered by hand."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.limiter import Replica
+from homelab_gateway.shared import SharedSemaphore, _preferences
+
+
+class _Config:
+    fallback_share = 0.0
+
+
+class FakeCluster:
+    """What a line calls of `cluster.Cluster`: claims are kept to be answered by the test."""
+
+    def __init__(self) -> None:
+        self.live = True
+        self.config = _Config()
+        self.instance = "here/0"
+        self.last_error = ""
+        self.unsent: dict[Any, Any] = {}
+        self.claims: list[tuple[str, bytes, Deferred[Any]]] = []
+        self._ids = itertools.count(1)
+
+    def add(self, line: SharedSemaphore) -> None:
+        """A line registers with its cluster; nothing to keep here."""
+
+    def new_id(self) -> str:
+        return f"{self.instance}/{next(self._ids)}"
+
+    def line_call(self, line: SharedSemaphore, script: str, *args: Any) -> Deferred[Any]:
+        if script == "grant":
+            d: Deferred[Any] = Deferred()
+            self.claims.append((args[0], args[1], d))
+            return d
+        return succeed(None)
+
+
+def walked_claims(line: SharedSemaphore, now: float) -> list[tuple[str, bytes]]:
+    """The claims `_claim` made by walking the whole order (`PositionedSemaphore._order`:
+    retries, then `Line.order`), each with its preferences, leaving the copy as it was."""
+    turn = line._turn
+    budget = {m: m.free for m in line.members if m.open_at(now)}
+    spare = sum(budget.values()) - len(line._claiming)
+    claims: list[tuple[str, bytes]] = []
+    if spare <= 0 or not line.waiting:
+        return claims
+    for item in line._order(now):
+        w = line._ids[item]
+        if w in line._claiming:
+            continue
+        want = line._wants.get(item)
+        candidates = [m for m in line._open_for(want, now) if budget[m] > 0]
+        if not candidates:
+            continue
+        ranked = line._ranked(candidates, want.session if want else None)
+        budget[ranked[0]] -= 1
+        spare -= 1
+        claims.append((w, _preferences(ranked)))
+        if spare <= 0:
+            break
+    line._turn = turn
+    return claims
+
+
+NAMES = ("r0", "r1", "r2")
+
+
+class Copy:
+    """One gateway's copy of a line of three upstreams, driven by events as Redis appends
+    them; every claim checked against the walk."""
+
+    def __init__(self, test: TestCase, limits: tuple[int, int, int], aging: float | None) -> None:
+        self.test = test
+        self.clock = Clock()
+        self.clock.advance(100.0)
+        self.cluster = FakeCluster()
+        replicas = [Replica(name, limit) for name, limit in zip(NAMES, limits, strict=True)]
+        self.line = SharedSemaphore(
+            replicas,
+            self.clock,
+            cluster=self.cluster,  # type: ignore[arg-type]
+            aging=aging,
+        )
+        test.addCleanup(self.line.close)
+        self.n = 0
+        self.held: list[str] = []
+
+    def event(self, op: str, **fields: Any) -> None:
+        """One event, then the end of its batch without the claim that `applied` makes: the
+        test makes it (`claim`)."""
+        self.line.apply({"op": op, "t": repr(self.clock.seconds()), **fields})
+        self.line._replaying = False
+        self.line._count()
+
+    def join(
+        self, client: str, rank: int, among: int, avoid: int, first: bool, session: bool
+    ) -> None:
+        self.n += 1
+        info: dict[str, Any] = {"c": client, "k": rank}
+        if among:
+            info["a"] = [name for bit, name in enumerate(NAMES) if among >> bit & 1]
+        if avoid:
+            info["v"] = [name for bit, name in enumerate(NAMES) if avoid >> bit & 1]
+        if first:
+            info["f"] = 1
+        if session:
+            info["s"] = client
+        w = f"there/1/{self.n}"
+        self.event("join", w=w, i=orjson.dumps(info), a=repr(self.clock.seconds()))
+
+    def admit(self, replica: int) -> None:
+        member = self.line.members[replica]
+        if member.free:
+            self.n += 1
+            w = f"there/1/{self.n}"
+            self.event("admit", w=w, r=member.name, i=orjson.dumps({"c": "z", "k": 1}))
+            self.held.append(w)
+
+    def release(self, index: int) -> None:
+        if self.held:
+            self.event("release", w=self.held.pop(index % len(self.held)))
+
+    def leave(self, index: int) -> None:
+        waiting = list(self.line._items)
+        if waiting:
+            self.event("leave", w=waiting[index % len(waiting)])
+
+    def claim(self, claiming: list[int], answers: list[bool]) -> list[str]:
+        """Some waiters already being claimed for, then a claim checked against the walk;
+        the claims are then granted or refused (another gateway's claim won) as `answers` say.
+        Returns the waiters claimed for."""
+        line = self.line
+        waiting = list(line._items)
+        pretend = {waiting[i % len(waiting)] for i in claiming} if waiting else set()
+        pretend -= line._claiming
+        line._claiming |= pretend
+        now = self.clock.seconds()
+        expected = walked_claims(line, now)
+        line._claim()
+        made = [(w, prefs) for w, prefs, _ in self.cluster.claims]
+        self.test.assertEqual(made, expected)
+        line._claiming -= pretend
+        claims, self.cluster.claims = self.cluster.claims, []
+        for (w, prefs, d), granted in zip(claims, itertools.cycle(answers or [True]), strict=False):
+            if granted and w in line._items:
+                replica = orjson.loads(prefs)[0]
+                self.event("grant", w=w, r=replica, i=orjson.dumps({"c": "x", "k": 1}))
+                self.held.append(w)
+            d.callback(1 if granted else None)
+        return [w for w, _ in made]
+
+    def do(self, step: tuple[Any, ...]) -> None:
+        kind, *args = step
+        if kind == "wait":
+            self.clock.advance(args[0])  # a refused claim looks again: not checked, answered
+            for _, _, d in self.cluster.claims:
+                if not d.called:
+                    d.callback(None)
+            self.cluster.claims.clear()
+        else:
+            getattr(self, kind)(*args)
+
+
+clients = st.sampled_from(["a", "b", "c", "d"])
+join = st.tuples(
+    st.just("join"),
+    clients,
+    st.integers(0, 2),
+    st.sampled_from([0, 0, 0, 1, 2, 3, 4, 6]),  # among: mostly any upstream
+    st.sampled_from([0, 0, 0, 1, 2]),  # avoid
+    st.sampled_from([False, False, False, True]),  # a retry, ahead of the line
+    st.booleans(),  # a session
+)
+step = st.one_of(
+    join,
+    join,
+    join,
+    st.tuples(st.just("admit"), st.integers(0, 2)),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("leave"), st.integers(0, 50)),
+    st.tuples(
+        st.just("claim"),
+        st.lists(st.integers(0, 50), max_size=3),
+        st.lists(st.booleans(), max_size=3),
+    ),
+    st.tuples(st.just("wait"), st.sampled_from([0.0, 0.3, 1.0, 2.5])),
+)
+
+
+class ClaimsAreTheWalks(TestCase):
+    @settings(max_examples=300)
+    @given(
+        st.lists(step, max_size=80),
+        st.sampled_from([(1, 1, 1), (2, 1, 0), (3, 2, 1), (4, 3, 0), (1, 0, 0)]),
+        st.sampled_from([None, 1.0]),
+    )
+    def test_any_sequence(
+        self, steps: list[Any], limits: tuple[int, int, int], aging: float | None
+    ) -> None:
+        copy = Copy(self, limits, aging)
+        for one in steps:
+            copy.do(one)
+
+    def test_the_retry_first_then_the_line_past_a_head_kept_to_a_busy_upstream(self) -> None:
+        """Two slots free on r0, r1 busy: the retry is claimed for first, the head of the line
+        (kept to r1) is skipped, the next in the line's order gets the other slot."""
+        copy = Copy(self, (2, 1, 0), None)
+        for replica in (0, 0, 1):  # there/1/1..3 hold every slot
+            copy.admit(replica)
+        copy.join("a", 1, 0b010, 0, False, False)  # there/1/4: the head, kept to r1
+        for client in "bcdb":  # there/1/5..8: many clients, the order is a merge of FIFOs
+            copy.join(client, 1, 0, 0, False, False)
+        copy.join("e", 1, 0, 0, True, False)  # there/1/9: a retry
+        copy.release(0)
+        copy.release(0)
+        self.assertEqual(copy.claim([], []), ["there/1/9", "there/1/5"])
+
+    def test_the_heads_claim_out_and_several_spare_slots(self) -> None:
+        """Four slots free and the head's claim still out: the next three of the order, which
+        aging and classes made other than the arrival order."""
+        copy = Copy(self, (2, 1, 1), 1.0)
+        for client, rank in [("a", 2), ("b", 1), ("a", 1), ("c", 1), ("b", 0), ("d", 1)]:
+            copy.join(client, rank, 0, 0, False, False)
+            copy.clock.advance(0.4)
+        order = [copy.line._ids[d] for d in copy.line.line.order(copy.clock.seconds())]
+        self.assertNotEqual(order, sorted(order, key=lambda w: int(w.rsplit("/", 1)[1])))
+        copy.line._claiming.add(order[0])
+        self.assertEqual(copy.claim([], [True]), order[1:4])
