@@ -105,6 +105,11 @@ class ProcessStats:
                 return int(line.split()[1])
         raise KeyError(key)
 
+    def wakeups(self) -> int:
+        """Voluntary context switches: how often it blocked (a reactor waiting in epoll) and
+        was woken again. Per token, a count of the reads and sends its CPU goes to."""
+        return self._status("voluntary_ctxt_switches")
+
     def cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
@@ -127,6 +132,19 @@ def openai_body(prompt: str, max_tokens: int = 4000) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": prompt}],
+    }
+
+
+def upstream_body(prompt: str, max_tokens: int, model: str = "fast") -> dict[str, Any]:
+    """The chat-completions body the gateway sends upstream for a streamed message (mapping.py,
+    `continuous_usage_stats` on, the default): what `bench.inproc --direct` and `bench.floor`'s
+    relay and minimal proxy ask, so they are measured on the upstream's own request."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
 
 

@@ -34,6 +34,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.python.failure import Failure
 
+from bench.__main__ import upstream_body
 from homelab_gateway.channel import send_at_once
 from homelab_gateway.config import parse_config
 from homelab_gateway.service import Gateway
@@ -85,15 +86,7 @@ def message(port: int, stream: bool, tokens: int = 16) -> bytes:
 
 def upstream_message(port: int, tokens: int = 16) -> bytes:
     """What the gateway sends the stub for `message` (streamed either way, as it always is)."""
-    body = json.dumps(
-        {
-            "model": "fast",
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        }
-    ).encode()
+    body = json.dumps(upstream_body("Say hello.", tokens)).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
