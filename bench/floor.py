@@ -29,6 +29,10 @@ run, with the same load client (bench.client) and the same stubs, paired round b
                  turn in a rotating order: time to first token p50 / p95, what each adds to the
                  direct stub's, and each process's CPU per request over the whole pass
 
+`--callgrind` instead runs each forwarder and the gateway (twistd) under valgrind's callgrind,
+one process at a time, for 100 and then 200 short requests: user-space instructions per request
+of that process alone, (I(200) - I(100)) / 100, which the machine's load does not move.
+
 The gateway is paired with the direct stub asked bench's own body (`openai_body`), exactly as
 `python -m bench` measures it; the forwarders with the stub asked the gateway's upstream body
 (`continuous_usage_stats` makes every chunk carry usage: a little more per token for the stub).
@@ -75,7 +79,7 @@ from bench.__main__ import (
 )
 from bench.client import percentile, request
 from bench.cluster import load_average
-from tests.processes import Process, clean_env, start_gateway, start_stub
+from tests.processes import TWISTD, Process, clean_env, start_gateway, start_stub
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("relay", "proxy", "klein", "answer")
@@ -239,16 +243,19 @@ def serve(kind: str, upstream_port: int) -> None:
     reactor.run()  # type: ignore[attr-defined]
 
 
-def start_forwarder(workdir: Path, kind: str, upstream: str) -> tuple[Process, str]:
+def start_forwarder(
+    workdir: Path, kind: str, upstream: str, prefix: tuple[str, ...] = (), timeout: float = 20.0
+) -> tuple[Process, str]:
     """`python -m bench.floor --serve KIND` with this checkout's bench on the path (the
-    gateway's package from site-packages, as everywhere in bench)."""
+    gateway's package from site-packages, as everywhere in bench); `prefix` runs it under
+    another program (valgrind)."""
     port = upstream.removesuffix("/v1").rsplit(":", 1)[1]
     process = Process(
-        [sys.executable, "-m", "bench.floor", "--serve", kind, "--upstream-port", port],
+        [*prefix, sys.executable, "-m", "bench.floor", "--serve", kind, "--upstream-port", port],
         workdir,
-        {**clean_env(), "PYTHONPATH": str(REPO)},
+        {**clean_env(), "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"},
     )
-    match = process.wait_for_line(r"listening on (\d+) \((\w+)\)")
+    match = process.wait_for_line(r"listening on (\d+) \((\w+)\)", timeout)
     assert match.group(2) == "EPollReactor", match.group(0)
     return process, f"http://127.0.0.1:{match.group(1)}"
 
@@ -463,6 +470,60 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines + rows(two, TWO))
 
 
+# -- instructions per request (--callgrind) ------------------------------------------------------
+
+WARM_UP = 10  # short requests before the counted ones: imports, the connection pool
+
+
+def instructions(workdir: Path, kind: str, stub: str, n: int) -> int:
+    """User-space instructions of one process (a forwarder, or the gateway under twistd) over
+    `WARM_UP + n` short requests, start-up and shut-down included: callgrind's total."""
+    out = workdir / f"callgrind.{kind}.{n}"
+    prefix = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}")
+    if kind == "gateway":
+        (workdir / "callgrind.toml").write_text(CONFIG.format(fast=stub, big=stub))
+        args = [*prefix, sys.executable, TWISTD, "--nodaemon", "--pidfile=", "homelab-gateway"]
+        args += ["--config", str(workdir / "callgrind.toml")]
+        args += ["--listen", "tcp:0:interface=127.0.0.1"]
+        process = Process(args, workdir, {**clean_env(), "PYTHONHASHSEED": "0"})
+        line = process.wait_for_line(r"listening on .*?(http://127\.0\.0\.1:\d+)", 300)
+        url = line.group(1) + "/llm/v1/messages"
+        body, is_token = anthropic_body("fast", "content-only", 8), is_anthropic_token
+    else:
+        process, base = start_forwarder(workdir, kind, stub, prefix, 300)
+        url = base + "/v1/chat/completions"
+        body, is_token = upstream_body("content-only", 8), is_openai_token
+
+    async def ask() -> None:
+        for _ in range(WARM_UP + n):
+            await first_token(url, body, is_token)
+
+    try:
+        asyncio.run(ask())
+    finally:
+        process.stop(300)
+    for line in out.read_text().splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise ValueError(f"no totals in {out}")
+
+
+def run_callgrind(kinds: list[str], workdir: Path) -> dict[str, Any]:
+    """Instructions per short request of each process alone, free of the machine's load:
+    (I(200) - I(100)) / 100, so start-up, warm-up and shut-down cancel (PYTHONHASHSEED=0).
+    Kernel work (accept, connect, send, close) is not in it: callgrind counts user space."""
+    stub_process, stub = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "8")
+    out: dict[str, Any] = {}
+    try:
+        for kind in kinds:
+            print(f"callgrind {kind} ...", file=sys.stderr)
+            low, high = (instructions(workdir, kind, stub, n) for n in (100, 200))
+            out[kind] = {"instructions_per_request_m": round((high - low) / 100 / 1e6, 3)}
+    finally:
+        stub_process.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="scenario 1 rounds (0: skip it)")
@@ -470,17 +531,28 @@ def main() -> None:
     parser.add_argument(
         "--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="forwarders to run"
     )
+    parser.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="instead: instructions per short request of each forwarder and the gateway",
+    )
     parser.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.upstream_port)
         return
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
+        if args.callgrind:
+            counts = run_callgrind([*args.kinds, "gateway"], Path(workdir))
+            print(json.dumps(counts, indent=2))
+            (RESULTS / f"floor-callgrind-{stamp}.json").write_text(json.dumps(counts, indent=2))
+            print(f"results: bench/results/floor-callgrind-{stamp}.json")
+            return
         report = run(args, Path(workdir))
     print(table(report))
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     (RESULTS / f"floor-{stamp}.json").write_text(json.dumps(report, indent=2))
     print(f"results: bench/results/floor-{stamp}.json")
 
