@@ -8,8 +8,10 @@ from twisted.internet.defer import CancelledError, DeferredSemaphore
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway import line as line_module
 from homelab_gateway.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
 from homelab_gateway.line import CLASS_RANK
+from tests.helpers import SoonerResetClock
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
 
@@ -140,13 +142,17 @@ class Rises(TestCase):
     down waits for the coalesced pass."""
 
     def setUp(self) -> None:
-        self.clock = Clock()
+        self.clock = SoonerResetClock()
         self.sem = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=10.0)
         self.addCleanup(self.sem.close)
 
     def waiter(self, client: str, rank: int = NORMAL) -> tuple[object, list[int]]:
         seen: list[int] = []
         return self.sem.acquire_in_line(seen.append, client=client, rank=rank), seen
+
+    def aging_timers(self) -> list[float]:
+        """When the aging timer is set to go off (none, or one)."""
+        return [c.getTime() for c in self.clock.getDelayedCalls() if c.func == self.sem._aged]
 
     def test_an_arrival_that_goes_ahead_tells_those_it_passed_at_once(self) -> None:
         self.sem.acquire_in_line(client="script")
@@ -203,12 +209,14 @@ class Rises(TestCase):
 
     def test_an_adopted_waiter_that_ages_before_the_new_lines_timer_moves_it_sooner(self) -> None:
         """The new line's timer waits for its own waiters' crossing at 15 s; the adopted one,
-        older, crosses at 10 s."""
+        older, crosses at 10 s: a new call, not a `reset` to a sooner time (a real reactor
+        searches every timer for that)."""
         old, nightly = self.nightly_elsewhere()
         self.clock.advance(5)
         (_, chat), (_, pal) = self.waiter("chat"), self.waiter("pal")
         self.sem.adopt(old)
         self.assertEqual((chat, pal, nightly), ([1], [2], [1, 3]))
+        self.assertEqual((self.aging_timers(), self.clock.moved_sooner), ([10.0], 0))
         self.clock.advance(0.5)
         self.clock.advance(4.5)
         self.assertEqual((chat, pal), ([1, 2], [2, 3]))
@@ -227,18 +235,29 @@ class Rises(TestCase):
         self.assertEqual((chat, len(walks)), ([1], 1))
         self.assertEqual(waiters[-1][1], [50, 51])
 
-    def test_joins_look_at_every_queue_for_the_aging_timer_only_without_one(self) -> None:
-        """With a timer set, a newcomer adds only its own crossing: looking at every queue
-        on each join made 5,000 clients waiting once each quadratic."""
-        looks = []
-        next_aging = self.sem.line.next_aging
-        self.sem.line.next_aging = lambda now: looks.append(now) or next_aging(now)  # type: ignore[method-assign]
+    def test_the_aging_timer_is_at_the_next_crossing_after_every_join(self) -> None:
+        """Clients and classes mixed, joining while the clock runs past crossings: after each
+        join the one aging timer is at `Line.next_aging`."""
         self.sem.acquire_in_line(client="x")
-        for i in range(100):
-            self.waiter(f"client-{i}")
-        self.assertEqual(len(looks), 2, "one with a single queue (no timer), one to set it")
-        self.clock.advance(10)  # the first crossing: the timer looks again, once
-        self.assertEqual(len(looks), 3)
+        for i in range(40):
+            self.waiter(f"client-{i % 7}", (BATCH, NORMAL, INTERACTIVE, BATCH)[i % 4])
+            at = self.sem.line.next_aging(self.clock.seconds())
+            self.assertEqual(self.aging_timers(), [] if at is None else [at], f"join {i}")
+            self.clock.advance((0.5, 3.0, 1.5)[i % 3])
+
+    def test_a_join_looks_for_the_aging_timer_at_no_more_cost_with_more_clients(self) -> None:
+        """Every join looks for the next crossing; with thousands of clients waiting once each
+        a look at every queue per join made a burst of joins quadratic. Finding a crossing to
+        the float (`_crossing`) is the costly step: each waiter's is found once in all the
+        joins, not once per join."""
+        found: list[int] = []
+        crossing = line_module._crossing
+        self.patch(line_module, "_crossing", lambda *a: found.append(1) or crossing(*a))
+        self.sem.acquire_in_line(client="x")
+        for i in range(2000):
+            self.waiter(f"client-{i}", BATCH)
+        self.assertLessEqual(len(found), 2000)
+        self.assertEqual(self.aging_timers(), [self.sem.line.next_aging(self.clock.seconds())])
 
     def test_a_release_whose_correction_moves_a_client_back_tells_it_at_once(self) -> None:
         """Both clients were charged 1 s a grant; a's slot was held 10 s, so a's waiters go

@@ -523,8 +523,6 @@ class PositionedSemaphore(DeferredSemaphore):
             self.line.join(d, client, rank, arrived)
             if want is not None and want.choosy:
                 self._choosy += 1
-            if self._aging is not None:
-                self._age_sooner(self.line.next_crossing(d, self.clock.seconds()))
         if want is not None:
             self._wants[d] = want
         self.waiting.append(d)
@@ -610,27 +608,21 @@ class PositionedSemaphore(DeferredSemaphore):
             self._waits = None
 
     def _watch_aging(self, now: float) -> None:
-        """Wake when the next waiter ages into a better class, if that can reorder.
-
-        A set timer is never later than any waiter's next crossing: `Line.next_aging` set it,
-        every later newcomer's own crossing moved it sooner if need be (`_enqueue`), and those
-        who left only took crossings away. So only without one is every queue looked at,
-        not on every join: with thousands of clients each waiting once, that look per join
-        made a burst of joins quadratic."""
-        if not self._listeners or self._aging is not None:
+        """Keep the aging timer no later than the next moment a waiter ages into a better
+        class, if that can reorder: `Line.next_aging` is a look at the top of a heap, so
+        every join and adoption looks. A timer that must come sooner is a new call, not a
+        `reset`: the reactor would search all its timers for that. One sooner than needed
+        (the waiter it was set for left) stays: it finds nobody to tell, and looks again."""
+        if not self._listeners:
             return
         at = self.line.next_aging(now)
-        if at is not None:
-            self._aging = self.clock.callLater(max(0.0, at - now), self._aged)
-
-    def _age_sooner(self, at: float | None) -> None:
-        """Keep the aging timer no later than `at`, a newcomer's next crossing (a new call,
-        not a `reset` to a sooner time: the reactor would search all its timers)."""
-        assert self._aging is not None
-        if at is None or self._aging.getTime() <= at:
+        if at is None:
             return
-        self._aging.cancel()
-        self._aging = self.clock.callLater(max(0.0, at - self.clock.seconds()), self._aged)
+        if self._aging is not None:
+            if self._aging.getTime() <= at:
+                return
+            self._aging.cancel()
+        self._aging = self.clock.callLater(max(0.0, at - now), self._aged)
 
     def _aged(self) -> None:
         self._aging = None

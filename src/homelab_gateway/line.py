@@ -133,7 +133,8 @@ class Line(Generic[T]):
 
     Aging: `_ages` holds, for every waiter that can still age, when it is next served as a
     better class after `_aged`: a lower bound at first (cheap, and most waiters are served
-    before it comes), made exact (`_crossing`) when it surfaces. Choosing at `now` first moves
+    before it comes), made exact (`_crossing`) when it surfaces, or at once if it would surface
+    at once (the limiter asks `next_aging` after every join). Choosing at `now` first moves
     the heads whose crossing came by `now` to their better class; the least exact moment left
     is `next_aging`.
     """
@@ -379,19 +380,18 @@ class Line(Generic[T]):
 
     def _will_age(self, waiter: Waiter[T], rank: int) -> None:
         """Note when `waiter`, served as `rank` at `_aged`, is next served as a better class:
-        a lower bound of that moment, far enough below the sum for its rounding."""
+        a lower bound of that moment, far enough below the sum for its rounding; or the
+        moment itself if the bound would come before the least exact one: `next_aging`, which
+        the limiter asks after every join, would make it exact at once, after it climbed to
+        the top of the heap, and send it back down (waiters joining at one instant tie)."""
         if rank and self.aging is not None:
             after = (waiter.rank - rank + 1) * self.aging
-            at = waiter.arrived + after
+            at = waiter.arrived + after - (abs(waiter.arrived) + after) * 1e-9
+            ages, exact = self._ages, False
+            if ages and ages[0][4] and at < ages[0][0]:
+                at, exact = _crossing(waiter, rank - 1, after, self.aging), True
             self._stamps += 1
-            entry = (
-                at - (abs(waiter.arrived) + after) * 1e-9,
-                self._stamps,
-                waiter,
-                rank - 1,
-                False,
-            )
-            heapq.heappush(self._ages, entry)
+            heapq.heappush(ages, (at, self._stamps, waiter, rank - 1, exact))
 
     def _exact(self, entry: tuple[float, int, Waiter[T], int, bool]) -> float:
         waiter, better, aging = entry[2], entry[3], self.aging
@@ -729,18 +729,6 @@ class Line(Generic[T]):
                 if soonest is None or at < soonest:
                     soonest = at
         return soonest
-
-    def next_crossing(self, item: T, now: float) -> float | None:
-        """The first moment after `now` at which the waiter `item` is served as a better
-        class: all that a newcomer adds to `next_aging`, without looking at anyone else."""
-        if self.aging is None:
-            return None
-        waiter = self._waiters[item]
-        for steps in range(1, waiter.rank + 1):
-            at = _crossing(waiter, waiter.rank - steps, steps * self.aging, self.aging)
-            if at > now:
-                return at
-        return None
 
     def waiting_by_class(self, now: float) -> dict[str, int]:
         """Waiters per class they would be served as now (aging included)."""
