@@ -14,6 +14,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway import line as line_module
 from homelab_gateway.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
 from homelab_gateway.line import CLASS_RANK, Line, Waiter, _crossing, effective_rank
 
@@ -70,6 +71,21 @@ class LineUnit(TestCase):
         at = _crossing(waiter, INTERACTIVE, 1.0, 1.0)
         self.assertEqual(effective_rank(NORMAL, at + 1.0, 1.0), INTERACTIVE)
         self.assertEqual(effective_rank(NORMAL, math.nextafter(at, -math.inf) + 1.0, 1.0), NORMAL)
+
+    def test_a_burst_at_an_epoch_clock_finds_only_the_first_crossings(self) -> None:
+        """A waiter's next crossing is noted a hair below it: within a billionth of the moment
+        (1.8 s at an epoch clock), every newcomer of a burst was noted before the first
+        waiter's exact crossing, and found its own (`_crossing`) when the limiter asked
+        `next_aging` after its join."""
+        found: list[int] = []
+        self.patch(line_module, "_crossing", lambda *a: found.append(1) or _crossing(*a))
+        line: Line[int] = Line(aging=120.0)
+        start = 1.76e9
+        for i in range(100):
+            line.join(i, f"client-{i}", NORMAL, start + i * 0.01)
+            line.next_aging(start + i * 0.01)
+        self.assertEqual(len(found), 1, "the first waiter's, at the first look")
+        self.assertEqual(line.next_aging(start + 1.0), _crossing(line._waiters[0], 0, 120.0, 120.0))
 
     def test_a_client_that_held_slots_longer_waits_behind_one_that_did_not(self) -> None:
         line: Line[str] = Line()

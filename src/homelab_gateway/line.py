@@ -380,13 +380,14 @@ class Line(Generic[T]):
 
     def _will_age(self, waiter: Waiter[T], rank: int) -> None:
         """Note when `waiter`, served as `rank` at `_aged`, is next served as a better class:
-        a lower bound of that moment, far enough below the sum for its rounding; or the
+        a lower bound of that moment, far enough below the sum for its rounding (it is off by
+        about one float; the bound is some 4,500 below, 1.8 ms at an epoch clock); or the
         moment itself if the bound would come before the least exact one: `next_aging`, which
         the limiter asks after every join, would make it exact at once, after it climbed to
         the top of the heap, and send it back down (waiters joining at one instant tie)."""
         if rank and self.aging is not None:
             after = (waiter.rank - rank + 1) * self.aging
-            at = waiter.arrived + after - (abs(waiter.arrived) + after) * 1e-9
+            at = waiter.arrived + after - (abs(waiter.arrived) + after) * 1e-12
             ages, exact = self._ages, False
             if ages and ages[0][4] and at < ages[0][0]:
                 at, exact = _crossing(waiter, rank - 1, after, self.aging), True
