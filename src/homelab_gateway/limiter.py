@@ -459,8 +459,7 @@ class PositionedSemaphore(DeferredSemaphore):
             if popped is None:
                 return None
             d, grant = popped
-            want = self._wants.pop(d, None)
-            self._remove_waiting(d)
+            want = self._out_of_line(d)
             return d, want, self._open_for(want, now), grant, False
         for index, d in enumerate(self.line.order(now)):
             want = self._wants.get(d)
@@ -487,15 +486,16 @@ class PositionedSemaphore(DeferredSemaphore):
                 grant, moved = popped[1], False
             else:
                 grant, moved = self.line.take(d, now)
-        self._wants.pop(d, None)
-        self._remove_waiting(d)
+        self._out_of_line(d)
         return grant, moved
 
-    def _remove_waiting(self, d: Deferred[Slot]) -> None:
+    def _out_of_line(self, d: Deferred[Slot]) -> _Want | None:
+        """`d` waits no more (granted, gone): out of `waiting`, what it may take forgotten."""
         if self.waiting[0] is d:
             del self.waiting[0]
         else:
             self.waiting.remove(d)
+        return self._wants.pop(d, None)
 
     def _cancelAcquire(self, d: Deferred[Slot]) -> None:  # type: ignore[override]
         moved = self._moved.get(d)
@@ -539,8 +539,7 @@ class PositionedSemaphore(DeferredSemaphore):
             want = self._wants.get(d)
             if want is not None and want.choosy:
                 self._choosy -= 1
-        self._wants.pop(d, None)
-        self._remove_waiting(d)
+        self._out_of_line(d)
         return reordered
 
     def _leave_line(self, result: object, d: Deferred[Slot]) -> object:
