@@ -461,7 +461,9 @@ class PositionedSemaphore(DeferredSemaphore):
             d, grant = popped
             want = self._out_of_line(d)
             return d, want, self._open_for(want, now), grant, False
-        for index, d in enumerate(self.line.order(now)):
+        # Some may take only some replicas: the first in order that may start now, found
+        # lazily (`Line.leading`), so a grant does not cost a heap of every client's head.
+        for index, d in enumerate(self.line.leading(now)):
             want = self._wants.get(d)
             candidates = self._open_for(want, now)
             if candidates:
