@@ -21,50 +21,17 @@ would append them.
 from __future__ import annotations
 
 import cProfile
-import itertools
 import pstats
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import orjson
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from homelab_gateway.limiter import Replica
 from homelab_gateway.shared import SharedSemaphore
-
-
-class _Config:
-    fallback_share = 0.0
-
-
-class FakeCluster:
-    """The part of `cluster.Cluster` a line calls: script calls are recorded, grants kept for
-    the drain to answer."""
-
-    def __init__(self) -> None:
-        self.live = True
-        self.config = _Config()
-        self.instance = "here/0"
-        self.last_error = ""
-        self.unsent: dict[Any, Any] = {}
-        self.claims: list[tuple[str, bytes, Deferred[Any]]] = []
-        self._ids = itertools.count(1)
-
-    def add(self, line: SharedSemaphore) -> None:
-        """A line registers with its cluster; nothing to do here."""
-
-    def new_id(self) -> str:
-        return f"{self.instance}/{next(self._ids)}"
-
-    def line_call(self, line: SharedSemaphore, script: str, *args: Any) -> Deferred[Any]:
-        if script == "grant":
-            d: Deferred[Any] = Deferred()
-            self.claims.append((args[0], args[1], d))
-            return d
-        return succeed(None)
+from tests.helpers import FakeCluster
 
 
 def build(n: int, client: Callable[[int], str]) -> tuple[SharedSemaphore, FakeCluster, Clock]:

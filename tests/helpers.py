@@ -6,6 +6,7 @@ trial's dirty-reactor check passes: every server-side connection is tracked and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -310,3 +311,34 @@ def capture_request_log(test: Any) -> list[dict[str, Any]]:
     globalLogPublisher.addObserver(observe)
     test.addCleanup(globalLogPublisher.removeObserver, observe)
     return logged
+
+
+class _ClusterConfig:
+    fallback_share = 0.0
+
+
+class FakeCluster:
+    """What a shared line calls of `cluster.Cluster`, with no Redis: its claims (`grant`) are
+    kept to be answered by the caller, every other script call succeeds at once."""
+
+    def __init__(self) -> None:
+        self.live = True
+        self.config = _ClusterConfig()
+        self.instance = "here/0"
+        self.last_error = ""
+        self.unsent: dict[Any, Any] = {}
+        self.claims: list[tuple[str, bytes, Deferred[Any]]] = []
+        self._ids = itertools.count(1)
+
+    def add(self, line: Any) -> None:
+        """A line registers with its cluster; nothing to keep here."""
+
+    def new_id(self) -> str:
+        return f"{self.instance}/{next(self._ids)}"
+
+    def line_call(self, line: Any, script: str, *args: Any) -> Deferred[Any]:
+        if script == "grant":
+            d: Deferred[Any] = Deferred()
+            self.claims.append((args[0], args[1], d))
+            return d
+        return succeed(None)

@@ -11,42 +11,12 @@ from typing import Any
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.limiter import Replica
 from homelab_gateway.shared import SharedSemaphore, _preferences
-
-
-class _Config:
-    fallback_share = 0.0
-
-
-class FakeCluster:
-    """What a line calls of `cluster.Cluster`: claims are kept to be answered by the test."""
-
-    def __init__(self) -> None:
-        self.live = True
-        self.config = _Config()
-        self.instance = "here/0"
-        self.last_error = ""
-        self.unsent: dict[Any, Any] = {}
-        self.claims: list[tuple[str, bytes, Deferred[Any]]] = []
-        self._ids = itertools.count(1)
-
-    def add(self, line: SharedSemaphore) -> None:
-        """A line registers with its cluster; nothing to keep here."""
-
-    def new_id(self) -> str:
-        return f"{self.instance}/{next(self._ids)}"
-
-    def line_call(self, line: SharedSemaphore, script: str, *args: Any) -> Deferred[Any]:
-        if script == "grant":
-            d: Deferred[Any] = Deferred()
-            self.claims.append((args[0], args[1], d))
-            return d
-        return succeed(None)
+from tests.helpers import FakeCluster
 
 
 def walked_claims(line: SharedSemaphore, now: float) -> list[tuple[str, bytes]]:
