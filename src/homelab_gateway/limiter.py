@@ -347,11 +347,11 @@ class PositionedSemaphore(DeferredSemaphore):
         self._holding[slot] = None
         return slot
 
-    def _order(self, now: float) -> Iterator[Deferred[Slot]]:
-        """Everyone waiting, in the order they would be served: retries, then the line."""
-        if not self._first:
-            return self.line.order(now)
-        return chain(self._first, self.line.order(now))
+    def _order(self, now: float, *, lazily: bool = False) -> Iterator[Deferred[Slot]]:
+        """Everyone waiting, in the order they would be served: retries, then the line; found
+        `lazily` (`Line.leading`) for a walk that stops after a few."""
+        line = self.line.leading(now) if lazily else self.line.order(now)
+        return chain(self._first, line) if self._first else line
 
     def _place(self, d: Deferred[Slot], now: float) -> None:
         """Tell a newcomer its place and, in the same walk, those it went ahead of their new

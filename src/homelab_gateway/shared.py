@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import orjson
@@ -324,10 +323,9 @@ class SharedSemaphore(PositionedSemaphore):
         spare = sum(budget.values()) - len(self._claiming)
         if spare <= 0:
             return
-        # The order found lazily (`Line.leading`): a claim is for the first waiters not yet
-        # claimed for, so it stops after a few; `order` would cost every FIFO's head first.
-        line = self.line.leading(now)
-        for item in chain(self._first, line) if self._first else line:
+        # Lazily: a claim is for the first waiters not yet claimed for, so it stops after a
+        # few, where `Line.order` would cost every FIFO's head first.
+        for item in self._order(now, lazily=True):
             w = self._ids[item]
             if w in self._claiming:
                 continue
