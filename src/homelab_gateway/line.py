@@ -363,7 +363,7 @@ class Line(Generic[T]):
         state = self._clients[waiter.client]
         if state.waiting != 1 or self._crowded:
             return False
-        rank = effective_rank(waiter.rank, now - waiter.arrived, self.aging)
+        rank = self._rank_at(waiter, now)
         if any(self._by_rank[rank + 1 :]):
             return False
         if waiter.arrived != self._latest:
