@@ -151,6 +151,7 @@ class Queue(LLMSurface):
             for o in gc.get_objects()
             if inspect.iscoroutine(o)
             and o.cr_code.co_name == "answer"
+            and o.cr_frame is not None  # a finished one, not yet collected, has no frame
             and o.cr_frame.f_locals.get("request") is waiting
         ]
         chain, awaited = [], outer
