@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from homelab_gateway.errors import upstream_message
 from homelab_gateway.sse import encode_event
 from homelab_gateway.translator import (
     PLAIN_EVENT,
@@ -792,3 +793,152 @@ def test_a_thinking_block_ends_with_an_empty_signature_delta_then_its_stop() -> 
     builder = MessageBuilder()
     builder.add(events)
     assert builder.message()["content"] == [{"type": "thinking", "thinking": "hm", "signature": ""}]
+
+
+# Surrogate pairs split across chunks: a JS server (`JSON.stringify`) writes each half of an
+# emoji a token boundary split as its own `\u` escape, in its own chunk.
+def decode(*frames: bytes) -> list[dict[str, Any]]:
+    """What a client gets for these upstream frames, then [DONE], all encodable."""
+    decoder = UpstreamDecoder(StreamTranslator(model="m", input_tokens=3))
+    events = decoder.feed(b"".join(frames) + b"data: [DONE]\n\n") + decoder.eof("stub")
+    for event in events:
+        encode_event(event)
+    return events
+
+
+def test_an_emoji_split_across_two_content_chunks_is_joined() -> None:
+    assert frame(chunk({"content": "\ud83d"})).count(b"\\ud83d") == 1  # as a JS server writes
+    halves = [frame(chunk({"content": half})) for half in ("\ud83d", "\ude00")]
+    events = decode(frame(ROLE), *halves, frame(chunk({}, "stop")))
+    assert check_stream(events) == "complete"
+    assert text_of(events, 0) == "\U0001f600"
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_emoji_split_across_two_reasoning_chunks_is_joined(field: str) -> None:
+    halves = [frame(chunk({field: half})) for half in ("so \ud83d", "\ude00!")]
+    events = decode(frame(ROLE), *halves, frame(chunk({}, "stop")))
+    assert check_stream(events) == "complete"
+    assert blocks(events) == [(0, "thinking")] and text_of(events, 0) == "so \U0001f600!"
+
+
+@pytest.mark.parametrize("name_first", [True, False])
+def test_an_emoji_split_across_two_tool_argument_fragments_is_joined(name_first: bool) -> None:
+    # Name last: the first half waits with the fragments held for the name.
+    first, second = tool_args(0, '{"e": "\ud83d'), tool_args(0, '\ude00"}')
+    order = [tool_head(0, "f"), first, second] if name_first else [first, tool_head(0, "f"), second]
+    events = decode(*map(frame, [ROLE, *order, chunk({}, "tool_calls")]))
+    assert check_stream(events) == "complete"
+    assert text_of(events, 0) == '{"e": "\U0001f600"}'
+    builder = MessageBuilder()
+    builder.add(events)
+    assert builder.message()["content"][0]["input"] == {"e": "\U0001f600"}
+
+
+def test_a_lone_half_becomes_a_replacement_character_and_the_stream_goes_on() -> None:
+    # The text after the high half takes the plain path: it is a vLLM-shaped event.
+    high = frame(chunk({"content": "\ud83d"}))
+    events = decode(frame(ROLE), high, vllm_event(b"content", b"abc"), frame(chunk({}, "stop")))
+    assert check_stream(events) == "complete"
+    assert text_of(events, 0) == "\ufffdabc"
+    events = decode(frame(ROLE), frame(chunk({"content": "a\ude00b"})), frame(chunk({}, "stop")))
+    assert text_of(events, 0) == "a\ufffdb"
+    events = decode(
+        frame(ROLE), frame(chunk({"content": "\ud83d\ud83d"})), frame(chunk({}, "stop"))
+    )
+    assert text_of(events, 0) == "\ufffd\ufffd"
+    tool = frame(chunk({"tool_calls": [{"index": 0, "function": {"name": "f\udc00"}}]}))
+    assert decode(frame(ROLE), tool)[1]["content_block"]["name"] == "f\ufffd"
+
+
+def test_a_high_half_at_the_end_of_a_block_is_a_replacement_character_before_its_stop() -> None:
+    events = decode(frame(ROLE), frame(chunk({"content": "a\ud83d"})), frame(chunk({}, "stop")))
+    assert check_stream(events) == "complete"
+    assert [e["delta"] for e in events if e["type"] == "content_block_delta"] == [
+        {"type": "text_delta", "text": "a"},
+        {"type": "text_delta", "text": "\ufffd"},
+    ]
+    assert kinds(events)[3:5] == ["content_block_delta", "content_block_stop"]
+    # Closed by the next block, here a tool whose arguments end on a half too.
+    events = decode(
+        *map(
+            frame,
+            [
+                ROLE,
+                chunk({"reasoning": "\ud83d"}),
+                tool_head(0, "f"),
+                tool_args(0, '{"e": "\ud83d'),
+                chunk({}, "tool_calls"),
+            ],
+        )
+    )
+    assert check_stream(events) == "complete"
+    assert text_of(events, 0) == "\ufffd" and text_of(events, 1) == '{"e": "\ufffd'
+
+
+def test_the_non_streaming_answer_has_the_joined_emoji() -> None:
+    halves = [frame(chunk({"content": half})) for half in ("hi \ud83d", "\ude00")]
+    builder = MessageBuilder()
+    builder.add(decode(frame(ROLE), *halves, frame(chunk({}, "stop")), frame(USAGE)))
+    assert builder.message()["content"] == [{"type": "text", "text": "hi \U0001f600"}]
+
+
+def test_an_in_stream_error_with_a_lone_half_encodes() -> None:
+    events = decode(frame(ROLE), frame({"error": {"message": "bad \ud83d", "code": 500}}))
+    assert events[-1]["error"]["message"] == "upstream error: bad \ufffd"
+
+
+def test_an_upstream_error_body_with_a_lone_half_gives_a_message_that_encodes() -> None:
+    body = json.dumps({"error": {"message": "x\ud83d\ude00\ud83d"}}).encode()
+    assert upstream_message(body) == "x\U0001f600\ufffd"
+    assert upstream_message(json.dumps({"error": "\ude00"}).encode()) == "\ufffd"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b'{"choices": NaN}', b'{"usage": -Infinity}', b"[" * 100_000, b'{"a": "\\ud83d'],
+)
+def test_what_is_not_json_stays_not_json(line: bytes) -> None:
+    events = decode(frame(ROLE), b"data: " + line + b"\n\n")
+    assert events[-1]["error"]["message"] == "upstream sent a line that is not JSON"
+
+
+def utf16_units(text: str) -> list[str]:
+    """`text` as UTF-16 code units, one string each: an astral character as its two halves."""
+    data = text.encode("utf-16-le")
+    return [chr(int.from_bytes(data[i : i + 2], "little")) for i in range(0, len(data), 2)]
+
+
+astral_texts = st.text(
+    st.characters(exclude_categories=("Cs",))
+    | st.sampled_from(["\U0001f600", "\U0001f469", "\u200d", "\U00010348", "a", "\n"]),
+    max_size=20,
+)
+
+
+@settings(max_examples=300)
+@given(astral_texts, st.sampled_from(["content", "reasoning", "arguments"]), st.data())
+def test_text_split_between_any_utf16_units_reassembles_exactly(
+    text: str, field: str, data: st.DataObject
+) -> None:
+    units = utf16_units(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(units)), max_size=8)))
+    pieces = ["".join(units[a:b]) for a, b in zip([0, *cuts], [*cuts, len(units)], strict=True)]
+    if field == "arguments":
+        frames = [frame(tool_head(0, "f")), *(frame(tool_args(0, p)) for p in pieces)]
+    else:
+        # In vLLM's layout, as JSON.stringify escapes a half: a piece with no `\u` escape takes
+        # the plain path, the others the generic one.
+        frames = [vllm_event(field.encode(), json.dumps(p)[1:-1].encode()) for p in pieces]
+    stream = frame(ROLE) + b"".join(frames) + frame(chunk({}, "stop")) + b"data: [DONE]\n\n"
+    byte_cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    decoder = UpstreamDecoder(StreamTranslator(model="m", input_tokens=3))
+    events = [
+        event
+        for a, b in zip([0, *byte_cuts], [*byte_cuts, len(stream)], strict=True)
+        for event in decoder.feed(stream[a:b])
+    ] + decoder.eof("stub")
+    for event in events:
+        encode_event(event)
+    assert check_stream(events) == "complete"
+    assert text_of(events, 0) == text

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from homelab_gateway.translator import error_event
+from homelab_gateway.translator import error_event, replace_lone_surrogates
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -94,7 +94,8 @@ def upstream_http_error(status: int, body: bytes, headers_retry_after: str | Non
 
 
 def upstream_message(body: bytes) -> str:
-    """The human part of an upstream error body, in any of the shapes servers use."""
+    """The human part of an upstream error body, in any of the shapes servers use, with no lone
+    surrogate (a JSON `\\u` escape can spell one): the answer must encode as UTF-8."""
     text = body.decode("utf-8", "replace").strip()
     try:
         document = json.loads(text)
@@ -105,9 +106,9 @@ def upstream_message(body: bytes) -> str:
         if isinstance(error, dict):
             message = error.get("message") or error.get("detail")
             if isinstance(message, str):
-                return message[:2000]
+                return replace_lone_surrogates(message[:2000])
         elif isinstance(error, str):
-            return error[:2000]  # Ollama: {"error": "..."}
+            return replace_lone_surrogates(error[:2000])  # Ollama: {"error": "..."}
     return text[:500]
 
 

@@ -70,6 +70,24 @@ escape) goes the generic way. The pattern is strict enough that both ways give t
 events: `tests/test_translator.py` checks that for every event it accepts."""
 
 
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+# The delta type of each kind of block, and the field its text goes in.
+_DELTAS = {
+    "text": ("text_delta", "text"),
+    "thinking": ("thinking_delta", "thinking"),
+    "tool": ("input_json_delta", "partial_json"),
+}
+
+
+def replace_lone_surrogates(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate as U+FFFD and each pair as its character: JSON's
+    `\\u` escapes can spell either, and UTF-8 (every event, every answer body) has neither."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 class Phase(enum.Enum):
     AWAITING_FIRST_CHUNK = "awaiting first chunk"
     STREAMING = "streaming"
@@ -132,6 +150,8 @@ class StreamTranslator:
         self._open_index = -1
         self._next_index = 0
         self._tools: dict[int, _ToolCall] = {}
+        # A high surrogate that ended a block's last text, by block: `_clean` explains.
+        self._held: dict[tuple[str, int], str] = {}
         self._used_tools = False
         self._show_reasoning = show_reasoning
         self._out: list[Event] = []
@@ -167,15 +187,18 @@ class StreamTranslator:
         if prompt is not None:
             self.input_tokens = int(prompt)
             self.output_tokens = int(completion)  # type: ignore[arg-type] (both or neither)
+        if field == b"content":
+            kind = "text"
+        elif self._show_reasoning:
+            kind = "thinking"
+        else:
+            return []
         value = text.decode("utf-8", "replace")
         if b"\\" in text:
             value = orjson.loads('"' + value + '"')
-        if field == b"content":
-            self._delta("text", {"type": "text_delta", "text": value})
-        elif self._show_reasoning:
-            self._delta("thinking", {"type": "thinking_delta", "thinking": value})
-        else:
-            return []
+        if self._held:  # the text itself has no surrogate: `PLAIN_EVENT` takes no `\\u` escape
+            value = self._clean((kind, 0), value)
+        self._delta(kind, value)
         self.counted_tokens += 1
         return self._flush()
 
@@ -261,11 +284,11 @@ class StreamTranslator:
             produced = False
             reasoning = _text(delta.get("reasoning")) or _text(delta.get("reasoning_content"))
             if reasoning and self._show_reasoning:
-                self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
+                self._delta("thinking", self._clean(("thinking", 0), reasoning))
                 produced = True
             content = _text(delta.get("content"))
             if content:
-                self._delta("text", {"type": "text_delta", "text": content})
+                self._delta("text", self._clean(("text", 0), content))
                 produced = True
             tool_calls = delta.get("tool_calls")
             for call in tool_calls if isinstance(tool_calls, list) else ():
@@ -278,7 +301,23 @@ class StreamTranslator:
         if isinstance(finish, str) and finish and self._finish_reason is None:
             self._finish(finish, choice.get("stop_reason"))
 
-    def _delta(self, kind: str, delta: Event) -> None:
+    def _clean(self, key: tuple[str, int], text: str) -> str:
+        """The upstream's `text` for block `key`, free of lone surrogates.
+
+        A JS server that splits an emoji between tokens writes each half as its own `\\u`
+        escape, in two chunks: a high surrogate ending one text is held back and joined to the
+        block's next one (or sent as U+FFFD when the block closes without it).
+        """
+        if not self._held and _SURROGATE.search(text) is None:
+            return text
+        text = self._held.pop(key, "") + text
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            self._held[key] = text[-1]
+            text = text[:-1]
+        return replace_lone_surrogates(text)
+
+    def _delta(self, kind: str, text: str) -> None:
+        """A text or thinking delta; an empty one (all held back) only opens its block."""
         if self._open != (kind, 0):
             start: Event = (
                 {"type": "thinking", "thinking": "", "signature": ""}
@@ -286,6 +325,12 @@ class StreamTranslator:
                 else {"type": "text", "text": ""}
             )
             self._open_block((kind, 0), start)
+        if text:
+            self._append_delta(kind, text)
+
+    def _append_delta(self, kind: str, text: str) -> None:
+        delta_type, name = _DELTAS[kind]
+        delta = {"type": delta_type, name: text}
         self._out.append({"type": "content_block_delta", "index": self._open_index, "delta": delta})
 
     def _tool_call(self, call: Mapping[str, Any]) -> bool:
@@ -299,12 +344,15 @@ class StreamTranslator:
         function = function if isinstance(function, dict) else {}
         name = _text(function.get("name"))
         if name and not tool.name:
-            tool.name = name
-        fragment = _text(function.get("arguments"))
+            tool.name = replace_lone_surrogates(name)
+        arguments = _text(function.get("arguments"))
+        # Held back like text; a half held while the name is unknown waits the same way, since
+        # the block opens under the same key.
+        fragment = self._clean(("tool", position), arguments) if arguments else ""
         if tool.index is None:
             if not tool.name:
                 tool.pending.append(fragment)
-                return bool(fragment)
+                return bool(arguments)
             self._used_tools = True
             start = {"type": "tool_use", "id": tool.id, "name": tool.name, "input": {}}
             self._open_block(("tool", position), start)
@@ -312,13 +360,12 @@ class StreamTranslator:
             fragment = "".join([*tool.pending, fragment])
             tool.pending.clear()
         elif self._open != ("tool", position):
-            if fragment:
+            if arguments:
                 self._fail("api_error", "upstream interleaved the arguments of two tool calls")
             return False
         if fragment:
-            delta = {"type": "input_json_delta", "partial_json": fragment}
-            self._out.append({"type": "content_block_delta", "index": tool.index, "delta": delta})
-        return bool(name or fragment)
+            self._append_delta("tool", fragment)
+        return bool(name or arguments)
 
     def _open_block(self, key: tuple[str, int], block: Event) -> None:
         self._close_block()
@@ -330,6 +377,8 @@ class StreamTranslator:
 
     def _close_block(self) -> None:
         if self._open is not None:
+            if self._held.pop(self._open, None) is not None:
+                self._append_delta(self._open[0], "\ufffd")  # half a pair, the other never came
             if self._open[0] == "thinking":
                 # The SDKs' types end a thinking block with its signature. There is none to give
                 # (no upstream signs its reasoning): an empty one, as the block started with.
@@ -382,7 +431,19 @@ def _upstream_error(error: Any) -> tuple[str, str]:
     else:
         message, code = error, None
     overloaded = code in (429, 503, 529, "429", "503", "529")
-    return ("overloaded_error" if overloaded else "api_error"), f"upstream error: {message}"
+    text = replace_lone_surrogates(f"upstream error: {message}")
+    return ("overloaded_error" if overloaded else "api_error"), text
+
+
+def _loads_lone_surrogates(data: str) -> Any:
+    """JSON that orjson refuses, decoded by the standard library, which takes a lone surrogate
+    escape (half an emoji a JS server split across chunks: the translator joins the halves).
+    It also takes NaN and Infinity, which are not JSON, so those stay refused."""
+    return json.loads(data, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 class IncompleteMessage(Exception):
@@ -512,9 +573,14 @@ class UpstreamDecoder:
             try:
                 chunk = orjson.loads(sse.data)  # once per token: several times json's speed
             except ValueError:
-                events += self.translator.fail("api_error", "upstream sent a line that is not JSON")
-            else:
-                events += self.translator.feed(chunk)
+                try:
+                    chunk = _loads_lone_surrogates(sse.data)
+                except (ValueError, RecursionError):
+                    events += self.translator.fail(
+                        "api_error", "upstream sent a line that is not JSON"
+                    )
+                    continue
+            events += self.translator.feed(chunk)
         if too_large is not None:
             events += self.translator.fail("api_error", f"upstream sent {too_large}")
         return events
