@@ -169,6 +169,14 @@ def test_bad_toml(tmp_path: Path) -> None:
             "server.cors_origins: 'https://a.lan/path' is not an origin",
         ),
         ("[server]\nshutdown_grace = -1", "server.shutdown_grace: must be a positive number"),
+        (
+            "[server]\nmax_status_subscribers = -1",
+            "server.max_status_subscribers: must be an integer >= 0, got -1",
+        ),
+        (
+            "[server]\nmax_status_subscribers = 'many'",
+            "server.max_status_subscribers: must be an integer >= 0, got 'many'",
+        ),
         ("[auth]\napi_keys_env = 'EMPTY'", "auth: no API keys found in EMPTY"),
         (
             "[auth]\napi_keys_file = '/nonexistent/keys'",
@@ -201,6 +209,13 @@ def test_api_keys_from_env_and_file_add_up(tmp_path: Path) -> None:
 def test_empty_config_is_valid_and_listens_on_loopback() -> None:
     config = parse_config({}, environ={})
     assert config.server.listen == "tcp:8080:interface=127.0.0.1"
+
+
+def test_status_subscribers_are_capped_at_64_unless_set_and_0_is_allowed() -> None:
+    assert parse_config({}, environ={}).server.max_status_subscribers == 64
+    for cap in (0, 500):
+        server = parse_config({"server": {"max_status_subscribers": cap}}, environ={}).server
+        assert server.max_status_subscribers == cap
 
 
 FAIR = """

@@ -72,6 +72,10 @@ class Changes(SynchronousTestCase):
         changed = config_changes(old, config(newer, K="s1", CHAT="other-secret"))
         self.assertEqual(changed, ["client 'chat': key_sha256 changed, weight 1 -> 2"])
 
+    def test_a_new_status_subscriber_cap_applies_at_once(self) -> None:
+        new = {**BASE, "server": {"max_status_subscribers": 8}}
+        self.assertEqual(self.changes(new), ["server.max_status_subscribers: 64 -> 8"])
+
     def test_removed_upstream_says_it_finishes_what_it_holds(self) -> None:
         new = {"upstreams": {"o": {"url": "http://o/v1", "slots": 1}}}
         self.assertIn(
@@ -174,6 +178,18 @@ class ReloadUnderLoad(LLMSurface):
             self.assertEqual(response.events()[-1], "message_stop")
         self.assertEqual(self.stub.stats.requests, 2, "both ran on the removed upstream")
         await wait_for(lambda: old.in_use == 0, what="the old slots to be free")
+
+    def test_the_status_streams_cap_and_stall_timeout_apply_to_the_next_subscriber(
+        self,
+    ) -> None:
+        page = self.servers.gateway.app.status_page
+        self.assertEqual((page.max_subscribers, page.stall_timeout), (64, 120.0))
+        server = {"ping_interval": 10, "max_status_subscribers": 1, "write_stall_timeout": 5}
+        self.assertEqual(
+            self.reload(server=server),
+            ["server.write_stall_timeout: 120 -> 5", "server.max_status_subscribers: 64 -> 1"],
+        )
+        self.assertEqual((page.max_subscribers, page.stall_timeout), (1, 5.0))
 
     @async_test
     async def test_new_api_keys_apply_to_the_next_request(self) -> None:

@@ -14,7 +14,15 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.limiter import PositionedSemaphore
-from homelab_gateway.statuspage import HEARTBEAT, LIVE_INTERVAL, MIN_INTERVAL, StatusPage
+from homelab_gateway.statuspage import (
+    FULL_RETRY_AFTER,
+    HEARTBEAT,
+    LIVE_INTERVAL,
+    MAX_SUBSCRIBERS,
+    MIN_INTERVAL,
+    STALL_TIMEOUT,
+    StatusPage,
+)
 from homelab_gateway.telemetry import Telemetry
 from tests.helpers import (
     PROMPTLY,
@@ -31,16 +39,29 @@ from tests.test_proxy import async_test
 KEY = "sk-gw-status-page-key"
 
 
+class FakeTransport:
+    aborted = False
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+
+
 class FakeRequest:
-    """What StatusPage.subscribe uses of a request: headers, a producer, writes."""
+    """What StatusPage.subscribe uses of a request: headers, a status, a producer, writes, and
+    the channel's transport (to cut a stalled reader)."""
 
     def __init__(self) -> None:
         self.headers: dict[bytes, bytes] = {}
+        self.code = 200
         self.producer: Any = None
         self.written: list[bytes] = []
+        self.channel = SimpleNamespace(transport=FakeTransport())
 
     def setHeader(self, name: bytes, value: bytes) -> None:
         self.headers[name] = value
+
+    def setResponseCode(self, code: int) -> None:
+        self.code = code
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         self.producer = producer
@@ -166,6 +187,106 @@ class Pushing(TestCase):
         request.producer.resumeProducing()
         self.assertEqual(len(request.written), 2)
         self.assertEqual(request.snapshots()[-1]["uptime_s"], HEARTBEAT * 3)
+
+    def subscribe(self) -> tuple[FakeRequest, Any]:
+        request = FakeRequest()
+        subscription = self.page.subscribe(request)  # type: ignore[arg-type]
+        if isinstance(subscription, Deferred):
+            subscription.addErrback(lambda f: f.trap(CancelledError))
+        return request, subscription
+
+    def test_past_the_cap_one_more_is_refused_at_once_and_the_others_keep_streaming(
+        self,
+    ) -> None:
+        self.assertEqual(MAX_SUBSCRIBERS, 64)
+        streams = [self.subscribe() for _ in range(MAX_SUBSCRIBERS)]
+        refused, answer = self.subscribe()
+        self.assertEqual(refused.code, 503)
+        self.assertEqual(refused.headers[b"retry-after"], str(FULL_RETRY_AFTER).encode())
+        self.assertEqual(refused.headers[b"content-type"], b"application/json")
+        error = json.loads(answer)["error"]
+        self.assertEqual(error["type"], "overloaded_error")
+        self.assertIn("max_status_subscribers = 64", error["message"])
+        self.assertIsNone(refused.producer)
+        self.assertEqual(refused.written, [])
+        self.assertEqual(len(self.page.subscribers), MAX_SUBSCRIBERS)
+        self.clock.advance(HEARTBEAT)
+        self.assertEqual({len(request.written) for request, _ in streams}, {2})
+
+    def test_one_that_leaves_frees_its_place(self) -> None:
+        self.page.max_subscribers = 2
+        (_, first), _ = self.subscribe(), self.subscribe()
+        self.assertEqual(self.subscribe()[0].code, 503)
+        first.cancel()  # Klein's cancel: the client left
+        request, subscription = self.subscribe()
+        self.assertIsInstance(subscription, Deferred)
+        self.assertEqual(len(request.snapshots()), 1)
+        self.assertEqual(self.subscribe()[0].code, 503)
+
+    def test_a_lower_cap_keeps_those_open_and_refuses_the_next(self) -> None:
+        streams = [self.subscribe() for _ in range(3)]
+        self.page.max_subscribers = 1  # a reload
+        self.assertEqual(self.subscribe()[0].code, 503)
+        self.clock.advance(HEARTBEAT)
+        self.assertEqual({len(request.written) for request, _ in streams}, {2})
+
+    def test_zero_turns_the_stream_off(self) -> None:
+        self.page.max_subscribers = 0
+        request, answer = self.subscribe()
+        self.assertEqual(request.code, 503)
+        self.assertNotIn(b"retry-after", request.headers)
+        self.assertIn("turned off", json.loads(answer)["error"]["message"])
+        self.assertEqual((self.page.subscribers, self.clock.getDelayedCalls()), (set(), []))
+
+    def test_a_reader_paused_for_the_stall_timeout_is_cut_and_forgotten(self) -> None:
+        self.assertEqual(STALL_TIMEOUT, 120.0)
+        stalled, subscription = self.subscribe()
+        reading, _ = self.subscribe()
+        stalled.producer.pauseProducing()
+        self.clock.advance(STALL_TIMEOUT - 0.01)
+        self.assertFalse(stalled.channel.transport.aborted)
+        stalled.producer.pauseProducing()  # paused again while paused: the same timer
+        self.clock.advance(0.01)
+        self.assertTrue(stalled.channel.transport.aborted)
+        self.assertEqual(self.page.subscribers, {reading.producer})
+        # The abort lands later: twisted.web stops the producer, Klein cancels. Harmless.
+        stalled.producer.stopProducing()
+        subscription.cancel()
+        self.assertEqual(self.page.subscribers, {reading.producer})
+        self.assertFalse(reading.channel.transport.aborted)
+        reading.producer.stopProducing()  # it goes too: no timer of the page's is left
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_reader_that_reads_again_in_time_is_kept(self) -> None:
+        request, _ = self.subscribe()
+        for _ in range(3):
+            request.producer.pauseProducing()
+            self.clock.advance(STALL_TIMEOUT - 1)
+            request.producer.resumeProducing()
+            self.clock.advance(1)
+        self.assertFalse(request.channel.transport.aborted)
+        self.assertEqual(self.page.subscribers, {request.producer})
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)  # the heartbeat only
+
+    def test_a_client_leaving_while_paused_leaves_no_timer(self) -> None:
+        request, subscription = self.subscribe()
+        request.producer.pauseProducing()
+        subscription.cancel()
+        self.assertEqual((self.page.subscribers, self.clock.getDelayedCalls()), (set(), []))
+        other, _ = self.subscribe()
+        other.producer.pauseProducing()
+        other.producer.stopProducing()  # the connection lost, before Klein hears of it
+        self.assertEqual((self.page.subscribers, self.clock.getDelayedCalls()), (set(), []))
+        self.clock.advance(STALL_TIMEOUT)
+        self.assertFalse(other.channel.transport.aborted)
+
+    def test_the_stall_timeout_a_stream_started_with_is_its_own(self) -> None:
+        self.page.stall_timeout = 5
+        request, _ = self.subscribe()
+        self.page.stall_timeout = 500  # a reload: for streams opened after it
+        request.producer.pauseProducing()
+        self.clock.advance(5)
+        self.assertTrue(request.channel.transport.aborted)
 
 
 class PageAndStream(TestCase):
@@ -310,3 +431,35 @@ class PageAndStream(TestCase):
         await Deferred.fromCoroutine(gateway.drain()).addTimeout(PROMPTLY, reactor)
         await stream.closed
         self.assertEqual(gateway.app.status_page.subscribers, set())
+
+    @async_test
+    async def test_past_max_status_subscribers_one_more_gets_503_and_a_leaver_frees_a_place(
+        self,
+    ) -> None:
+        self.start(server={"ping_interval": 10, "max_status_subscribers": 2})
+        first, second = self.stream(), self.stream()
+        for stream in (first, second):
+            await stream.until_text("event: snapshot")
+        refused = await self.get("/status/events")
+        self.assertEqual(refused.status, 503)
+        self.assertEqual(refused.header("retry-after"), "15")
+        error = json.loads(refused.body_text())["error"]
+        self.assertEqual(error["type"], "overloaded_error")
+        self.assertIn("max_status_subscribers = 2", error["message"])
+        first.disconnect()
+        page = self.servers.gateway.app.status_page  # type: ignore[union-attr]
+        await wait_for(lambda: len(page.subscribers) == 1, what="the leaver to be forgotten")
+        third = self.stream()
+        await third.until_text("event: snapshot")
+        self.assertEqual(third.status, 200)
+
+    @async_test
+    async def test_a_stream_paused_for_write_stall_timeout_is_cut(self) -> None:
+        self.start(server={"ping_interval": 10, "write_stall_timeout": 0.2})
+        stream = self.stream()
+        await stream.until_text("event: snapshot")
+        page = self.servers.gateway.app.status_page  # type: ignore[union-attr]
+        (subscriber,) = page.subscribers
+        subscriber.pauseProducing()  # as twisted.web does when the socket buffer is full
+        await stream.closed.addTimeout(PROMPTLY, reactor)
+        self.assertEqual(page.subscribers, set())

@@ -97,6 +97,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     trusted_proxies: tuple[str, ...] = ()  # networks, e.g. "127.0.0.1/32"
     retries: int = 2  # extra attempts on another replica, only before any byte was answered
+    max_status_subscribers: int = 64  # open /status/events streams; 0: the stream is off
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,9 @@ def _parse_server(section: _Section) -> ServerConfig:
         cors_origins=tuple(origins),
         trusted_proxies=tuple(proxies),
         retries=section.integer("retries", defaults.retries, minimum=0),
+        max_status_subscribers=section.integer(
+            "max_status_subscribers", defaults.max_status_subscribers, minimum=0
+        ),
     )
 
 

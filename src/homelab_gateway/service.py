@@ -104,6 +104,7 @@ class Gateway:
             readiness=self.readiness,
             cluster=self.cluster,
         )
+        self._configure_status_page(config)
         self.site = GatewaySite(self.app.app.resource(), self._limits(config), reactor=reactor)
         self.site.displayTracebacks = False
 
@@ -224,6 +225,13 @@ class Gateway:
             trusted_proxies=config.server.trusted_proxies,
         )
 
+    def _configure_status_page(self, config: Config) -> None:
+        """The event stream's cap and stall timeout: for the next subscriber (a reload keeps
+        those open, even above a lower cap)."""
+        page = self.app.status_page
+        page.max_subscribers = config.server.max_status_subscribers
+        page.stall_timeout = config.server.write_stall_timeout
+
     def _limits(self, config: Config) -> WireLimits:
         server = config.server
         return WireLimits(
@@ -276,6 +284,7 @@ class Gateway:
         self.app.messages = self._messages(config)
         self.app.access = self._access(config)
         self.site.limits = self._limits(config)
+        self._configure_status_page(config)
         self.readiness.interval = config.server.probe_interval
         self.readiness.probes = {
             name: self.readiness.probes.get(name) or Probe() for name in self.pools

@@ -13,7 +13,11 @@ connection and the page's uptime alive. With no subscriber there is no timer, an
 one attribute test.
 
 A subscriber that stops reading (its socket buffer full) is skipped, not queued for: its last
-missed frame is sent when it reads again, so a stalled tab costs one frame of memory.
+missed frame is sent when it reads again, so a stalled tab costs one frame of memory. One that
+stays so for `stall_timeout` (`[server] write_stall_timeout`) is cut off, as a stalled `/llm`
+stream is (`upstream.Backpressure`), and at most `max_subscribers`
+(`[server] max_status_subscribers`) are open at once: one more is answered 503 at once, so
+watchers can take neither every file descriptor nor the reactor's time. 0 turns the stream off.
 """
 
 from __future__ import annotations
@@ -29,13 +33,18 @@ from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
 from homelab_gateway import snapshot
+from homelab_gateway.errors import GatewayError
 from homelab_gateway.pool import Pool
+from homelab_gateway.respond import send_error
 from homelab_gateway.sse import encode_event
 from homelab_gateway.telemetry import Telemetry
 
 MIN_INTERVAL = 0.3  # at most ~3 frames a second
 LIVE_INTERVAL = 1.0
 HEARTBEAT = 15.0
+MAX_SUBSCRIBERS = 64  # [server] max_status_subscribers' default
+STALL_TIMEOUT = 120.0  # [server] write_stall_timeout's default
+FULL_RETRY_AFTER = 15  # seconds: the page's longest wait between tries; a place frees as one leaves
 # What the page's files may do: its own script and style, reading its own event stream; no
 # inline script, no frame, no form posted anywhere.
 CONTENT_SECURITY_POLICY = (
@@ -77,11 +86,15 @@ def send_asset(request: IRequest, name: str) -> bytes:
 @dataclass(eq=False)
 class _Subscriber:
     """One open event stream: the producer behind its response, so a full socket buffer
-    pauses it (frames are skipped, the newest kept) instead of growing the gateway's memory."""
+    pauses it (frames are skipped, the newest kept) instead of growing the gateway's memory.
+    Paused for `stall_timeout`, it is cut off; the connection going away ends it too."""
 
     request: IRequest
+    page: StatusPage
+    stall_timeout: float
     paused: bool = False
     missed: bytes | None = None
+    stall: IDelayedCall | None = None
 
     def send(self, frame: bytes) -> None:
         if self.paused:
@@ -91,15 +104,32 @@ class _Subscriber:
 
     def pauseProducing(self) -> None:
         self.paused = True
+        if self.stall is None:
+            self.stall = self.page.clock.callLater(self.stall_timeout, self._stalled)
 
     def resumeProducing(self) -> None:
+        self.cancel_stall()
         self.paused = False
         frame, self.missed = self.missed, None
         if frame is not None:
             self.request.write(frame)
 
     def stopProducing(self) -> None:
+        """The connection is gone (twisted.web stops the producer as it loses it)."""
         self.paused = True
+        self.page._unsubscribe(self)
+
+    def _stalled(self) -> None:
+        self.stall = None
+        self.page._unsubscribe(self)  # its place is free now, not once the abort lands
+        channel = getattr(self.request, "channel", None)
+        if channel is not None:
+            channel.transport.abortConnection()
+
+    def cancel_stall(self) -> None:
+        if self.stall is not None and self.stall.active():
+            self.stall.cancel()
+        self.stall = None
 
 
 class StatusPage:
@@ -115,6 +145,8 @@ class StatusPage:
         min_interval: float = MIN_INTERVAL,
         live_interval: float = LIVE_INTERVAL,
         heartbeat: float = HEARTBEAT,
+        max_subscribers: int = MAX_SUBSCRIBERS,
+        stall_timeout: float = STALL_TIMEOUT,
     ) -> None:
         self.clock = clock
         self.telemetry = telemetry
@@ -123,6 +155,10 @@ class StatusPage:
         self.min_interval = min_interval
         self.live_interval = live_interval
         self.heartbeat = heartbeat
+        # Both may change on a reload: the cap applies to the next subscriber (those open stay,
+        # even above a lower cap), the stall timeout to streams opened after it.
+        self.max_subscribers = max_subscribers
+        self.stall_timeout = stall_timeout
         self.started = clock.seconds()
         self.subscribers: set[_Subscriber] = set()
         self._timer: IDelayedCall | None = None
@@ -149,13 +185,17 @@ class StatusPage:
             ),
         }
 
-    def subscribe(self, request: IRequest) -> Deferred[None]:
+    def subscribe(self, request: IRequest) -> Deferred[None] | bytes:
         """Start an event stream on `request`: the current snapshot at once, then as above.
-        The Deferred never fires; cancelling it (the client left) ends the subscription."""
+        The Deferred never fires; cancelling it (the client left) ends the subscription.
+        With `max_subscribers` open already, the answer is a 503 instead, at once."""
+        refusal = self.refusal()
+        if refusal is not None:
+            return send_error(request, refusal, anthropic=False)
         request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")  # nginx: do not buffer SSE
-        subscriber = _Subscriber(request)
+        subscriber = _Subscriber(request, self, self.stall_timeout)
         request.registerProducer(subscriber, True)
         self.subscribers.add(subscriber)
         frame, active = self._frame()
@@ -164,7 +204,25 @@ class StatusPage:
             self._schedule(self.live_interval if active else self.heartbeat)
         return Deferred(lambda _: self._unsubscribe(subscriber))
 
+    def refusal(self) -> GatewayError | None:
+        """Why one more subscriber is refused, if it is."""
+        cap = self.max_subscribers
+        if cap == 0:
+            return GatewayError(
+                503, "the status stream is turned off ([server] max_status_subscribers = 0)"
+            )
+        if len(self.subscribers) < cap:
+            return None
+        return GatewayError(
+            503,
+            f"the status stream has its {cap} subscribers already "
+            f"([server] max_status_subscribers = {cap}); try again later",
+            retry_after=FULL_RETRY_AFTER,
+        )
+
     def _unsubscribe(self, subscriber: _Subscriber) -> None:
+        """Idempotent: a cut, the connection's loss and Klein's cancel may each call it."""
+        subscriber.cancel_stall()
         self.subscribers.discard(subscriber)
         if not self.subscribers and self._timer is not None:
             self._timer.cancel()

@@ -272,7 +272,8 @@ class GatewayApp:
     def status_events(self, request: IRequest) -> Any:
         """The page's event stream: it needs a key where `/llm/v1/status` does, sent as a
         header (the page reads the stream with fetch, not EventSource, which cannot send one:
-        a key in the URL would be written to proxies' logs and the browser's history)."""
+        a key in the URL would be written to proxies' logs and the browser's history).
+        Past `[server] max_status_subscribers` open streams, `subscribe` answers 503 itself."""
         stop = self._light(request, protected=self.access.protect_metrics)
         if stop is not None:
             return stop
