@@ -11,10 +11,11 @@ from typing import Any
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet.defer import fail
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.limiter import Replica
+from homelab_gateway.limiter import Replica, Unavailable
 from homelab_gateway.shared import SharedSemaphore, _preferences
 from tests.helpers import FakeCluster
 
@@ -211,3 +212,26 @@ class ClaimsAreTheWalks(TestCase):
         self.assertNotEqual(order, sorted(order, key=lambda w: int(w.rsplit("/", 1)[1])))
         copy.line._claiming.add(order[0])
         self.assertEqual(copy.claim([], [True]), order[1:4])
+
+
+class AJoinThatFails(TestCase):
+    """This gateway keeps a waiter of the shared line only once its join is on its way to
+    Redis, and forgets it if the join fails: a request that cannot join leaves nothing."""
+
+    def setUp(self) -> None:
+        self.cluster = FakeCluster()
+        self.line = SharedSemaphore([Replica("r0", 1)], Clock(), cluster=self.cluster)
+
+    def kept(self) -> list[Any]:
+        return [self.line._local, self.line._ids, self.line._requests]
+
+    def test_one_whose_join_cannot_be_written(self) -> None:
+        with self.assertRaises(TypeError):  # a session that is no text (a header's bytes)
+            self.line.acquire_in_line(session=b"s-1")  # type: ignore[arg-type]
+        self.assertEqual(self.kept(), [{}, {}, {}])
+
+    def test_one_whose_join_fails(self) -> None:
+        self.cluster.line_call = lambda *args: fail(ConnectionError("gone"))  # type: ignore[method-assign]
+        d = self.line.acquire_in_line(session="0" * 32)
+        self.failureResultOf(d, Unavailable)
+        self.assertEqual(self.kept(), [{}, {}, {}])

@@ -192,28 +192,29 @@ class SharedSemaphore(PositionedSemaphore):
             d = Deferred(canceller=self._cancelAcquire)
             if request.listener is not None:
                 d.addBoth(self._leave_line, d)
-        w = self.cluster.new_id()
-        self._local[w] = d
-        self._ids[d] = w
-        self._requests[w] = request
         want = request.want
         ranked = self._ranked(
             self._open_for(want, self.clock.seconds()), want.session if want else None
         )
-        self.cluster.line_call(
-            self,
-            "join",
-            w,
-            request.info(),
-            "" if arrived is None else repr(arrived),
-            _preferences(ranked),
-        ).addErrback(self._not_asked, w)
+        # Every argument is made before anything is kept for the waiter: a failure here
+        # leaves nothing behind.
+        w = self.cluster.new_id()
+        args = (w, request.info(), "" if arrived is None else repr(arrived), _preferences(ranked))
+        self._local[w] = d
+        self._ids[d] = w
+        self._requests[w] = request
+        self.cluster.line_call(self, "join", *args).addErrback(self._not_asked, w)
         return d
 
     def _not_asked(self, failure: Failure, w: str) -> None:
+        """The join never reached Redis: the waiter was never in the line."""
         d = self._local.pop(w, None)
-        if d is not None and not d.called:
-            d.errback(Unavailable(f"the shared line is unreachable: {failure.getErrorMessage()}"))
+        self._requests.pop(w, None)
+        if d is not None:
+            self._ids.pop(d, None)
+            if not d.called:
+                reason = failure.getErrorMessage()
+                d.errback(Unavailable(f"the shared line is unreachable: {reason}"))
 
     def _ranked(self, candidates: list[Replica], session: str | None) -> list[Replica]:
         """`candidates` best first: the one `replicas.choose` takes, then the most free."""
