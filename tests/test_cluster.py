@@ -47,9 +47,18 @@ class Stream(threading.Thread):
     """One streaming request read to its end on a thread: its status, its queue positions and
     whether the answer ended with message_stop."""
 
-    def __init__(self, gateway: str, prompt: str, max_tokens: int = 64) -> None:
+    def __init__(
+        self,
+        gateway: str,
+        prompt: str,
+        max_tokens: int = 64,
+        headers: dict[str, str] | None = None,
+        stream: bool = True,
+    ) -> None:
         super().__init__(daemon=True)
         self.gateway, self.prompt, self.max_tokens = gateway, prompt, max_tokens
+        self.headers, self.stream = headers or {}, stream
+        self.body: Any = None
         self.status: int | None = None
         self.positions: list[int] = []
         self.events: list[str] = []
@@ -61,18 +70,21 @@ class Stream(threading.Thread):
         body = {
             "model": "reasoning",
             "max_tokens": self.max_tokens,
-            "stream": True,
+            "stream": self.stream,
             "messages": [{"role": "user", "content": self.prompt}],
         }
         request = urllib.request.Request(
             self.gateway + "/llm/v1/messages",
             data=json.dumps(body).encode(),
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **self.headers},
         )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 self.retry_after = response.headers["retry-after"]
                 self.status = response.status
+                if not self.stream:
+                    self.body = json.load(response)
+                    return
                 event = None
                 for raw in response:
                     line = raw.decode().rstrip("\n")
@@ -146,6 +158,21 @@ def test_twenty_streams_over_two_gateways_never_pass_two_slots_and_wait_in_one_l
         wait_until(lambda url=url: idle(url))
         with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
             assert "homelab_gateway_cluster_up 1.0" in response.read().decode()
+
+
+def test_claude_codes_session_header_over_the_shared_line(cluster: dict[str, Any]) -> None:
+    """Claude Code sends `X-Claude-Code-Session-Id` on every request: over the shared line it
+    is the session's digest that goes into Redis, whether the request streams, waits or not."""
+    a, b = cluster["urls"]
+    session = {"x-claude-code-session-id": "9c1d7d2e-6f3a-4b8e-a1f0-" + "0" * 12}
+    streams = [Stream((a, b)[i % 2], f"hello {i}", headers=session) for i in range(6)]
+    whole = Stream(a, "hello", headers=session, stream=False)
+    for stream in (*streams, whole):
+        stream.join(120)
+    assert all(s.completed for s in streams), [(s.status, s.events[-1:], s.error) for s in streams]
+    assert whole.status == 200 and whole.body["type"] == "message", (whole.status, whole.error)
+    for url in (a, b):
+        wait_until(lambda url=url: idle(url))
 
 
 def test_a_gateway_killed_with_slots_and_waiters_frees_them_within_the_lease(

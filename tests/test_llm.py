@@ -14,11 +14,22 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
+from twisted.web.test.requesthelper import DummyRequest
 
 from homelab_gateway.channel import GatewaySite, WireLimits, send_at_once
 from homelab_gateway.connections import UpstreamPool
+from homelab_gateway.respond import send_json
+from homelab_gateway.translator import UpstreamDecoder
 from tests.grammar import check_stream
-from tests.helpers import PROMPTLY, Servers, chat, gateway_document, raw_request, wait_for
+from tests.helpers import (
+    PROMPTLY,
+    Servers,
+    capture_request_log,
+    chat,
+    gateway_document,
+    raw_request,
+    wait_for,
+)
 from tests.test_proxy import async_test
 
 
@@ -293,6 +304,78 @@ class Errors(LLMSurface):
             self.assertEqual(response.status, 200)
         response = await self.post(chat(), path="/llm/v1/messages?beta=true")
         self.assertEqual(response.status, 200)
+
+
+class UnexpectedErrors(LLMSurface):
+    """An exception no handler expected is the gateway's own fault: the client gets a 500 in
+    its surface's shape (an error event once its stream began), never twisted.web's HTML
+    page; the log gets one traceback and the request's outcome, and the slot goes back."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.logged = capture_request_log(self)
+
+    def break_decoder(self, after: int) -> None:
+        """The upstream's body decoder raises on its call after `after` good ones."""
+        feed, calls = UpstreamDecoder.feed, [0]
+
+        def broken(decoder: UpstreamDecoder, data: bytes) -> Any:
+            calls[0] += 1
+            if calls[0] > after:
+                raise RuntimeError("a bug")
+            return feed(decoder, data)
+
+        self.patch(UpstreamDecoder, "feed", broken)
+
+    async def outcome(self) -> str:
+        await wait_for(lambda: self.logged, what="the request's log line")
+        (event,) = self.logged
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)  # one traceback
+        return str(event["outcome"])
+
+    @async_test
+    async def test_before_the_answer_began_a_500_api_error(self) -> None:
+        self.break_decoder(after=0)
+        message = await self.error(chat(stream=False), 500, "api_error")
+        self.assertIn("the gateway failed", message)
+        self.assertEqual(await self.outcome(), "internal_error")
+        await self.settled()
+
+    @async_test
+    async def test_mid_stream_an_error_event(self) -> None:
+        self.break_decoder(after=1)
+        response = await self.post(chat())
+        self.assertEqual(response.status, 200)
+        events = [data for _, data in response.frames()]
+        self.assertEqual(events[0]["type"], "message_start")
+        self.assertEqual(events[-1]["type"], "error")
+        self.assertEqual(events[-1]["error"]["type"], "api_error")
+        self.assertEqual(await self.outcome(), "internal_error")
+        await self.settled()
+
+    @async_test
+    async def test_on_count_tokens_and_a_proxy_route_each_in_its_shape(self) -> None:
+        app = self.servers.gateway.app
+
+        def broken(*args: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        self.patch(app.messages, "count_request", broken)
+        path = "/llm/v1/messages/count_tokens"
+        self.assertIn("the gateway failed", await self.error(chat(), 500, "api_error", path=path))
+        self.assertEqual(await self.outcome(), "internal_error")
+
+        async def forward(*args: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        self.logged.clear()
+        self.patch(app.proxy, "forward", forward)
+        response = raw_request(self.port, "GET", "/openai/v1/models")
+        await response.closed
+        self.assertEqual(response.status, 500)
+        self.assertEqual(response.header("content-type"), "application/json")
+        self.assertEqual(json.loads(response.body_text())["error"]["type"], "api_error")
+        self.assertEqual(await self.outcome(), "internal_error")
 
 
 class AsKleinWroteIt(LLMSurface):
@@ -785,3 +868,12 @@ class NamePatterns(LLMSurface):
         response = raw_request(self.port, "GET", "/llm/v1/models/claude-haiku-4-5")
         await response.closed
         self.assertEqual(json.loads(response.body_text())["id"], "claude-haiku-4-5")
+
+
+def test_a_whole_answer_with_a_lone_surrogate_is_still_json() -> None:
+    """A model's tool arguments may spell half an emoji as `\\ud83d`: the non-streaming answer
+    carries it as that escape, as the stream's `partial_json` does, rather than failing."""
+    document = {"content": [{"type": "tool_use", "input": {"face": "\ud83d"}}]}
+    body = send_json(DummyRequest([]), 200, document)
+    assert json.loads(body) == document
+    assert send_json(DummyRequest([]), 200, {"text": "é"}) == '{"text": "é"}'.encode()

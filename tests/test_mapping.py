@@ -643,3 +643,38 @@ def test_stripping_changes_nothing_but_the_header_lines(texts: list[str]) -> Non
         assert stripped[0]["role"] == "user"  # nothing but headers: no system message at all
     assert as_sent[0] == {"role": "system", "content": "\n\n".join(texts)}
     assert stripped[-1] == as_sent[-1]
+
+
+def packed_body(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return json.loads(map_request(body, MODEL).packed().body(**fields))
+
+
+def test_a_packed_request_is_the_mapped_body_with_each_attempts_fields() -> None:
+    body = {"model": "reasoning", "max_tokens": 5, "messages": [{"role": "user", "content": "é"}]}
+    mapped = map_request(body, MODEL)
+    packed = mapped.packed()
+    assert isinstance(packed.json, bytes) and b'"model"' not in packed.json
+    sent = packed.body(model="on-this-box", priority=-1)
+    assert sent.startswith(b'{"model":"on-this-box","priority":-1,')
+    assert json.loads(sent) == {**mapped.body, "model": "on-this-box", "priority": -1}
+    assert "é".encode() in sent  # UTF-8, not \\u escapes: a waiter keeps the body's own size
+    assert (packed.model, packed.stream) == (mapped.model, mapped.stream)
+
+
+def test_a_packed_request_keeps_a_params_priority_unless_the_attempt_sets_one() -> None:
+    model = ModelConfig(name="m", upstream="vllm", upstream_model="m", params={"priority": 5})
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    packed = map_request(body, model).packed()
+    assert json.loads(packed.body(model="x"))["priority"] == 5
+    assert json.loads(packed.body(model="x", priority=1))["priority"] == 1
+
+
+@given(st.text(), st.integers(min_value=-(2**70), max_value=2**70))
+def test_a_packed_request_writes_whatever_the_client_sent(text: str, number: int) -> None:
+    """orjson refuses a lone surrogate (`\\ud83d` in the JSON) and integers past 64 bits, which
+    Python's json takes from a client: the body still goes upstream as the client wrote it."""
+    tools = [{"name": "t", "input_schema": {"type": "object", "maximum": number}}]
+    body = {"model": "reasoning", "max_tokens": 5, "messages": [{"role": "user", "content": text}]}
+    sent = packed_body({**body, "tools": tools}, model="x")
+    assert sent["messages"] == [{"role": "user", "content": text}]
+    assert sent["tools"][0]["function"]["parameters"]["maximum"] == number

@@ -18,7 +18,8 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from homelab_gateway.pool import TOKENIZE_CONCURRENCY
+from homelab_gateway.limiter import PositionedSemaphore, Replica
+from homelab_gateway.pool import TOKENIZE_CONCURRENCY, Pool
 from homelab_gateway.proxy import escapes_prefix, forward_headers, response_headers
 from homelab_gateway.upstream import LINGER_AFTER_END, AnswerComplete, Upstream
 from tests.grammar import check_stream
@@ -638,6 +639,62 @@ class CountTokensCap(TestCase):
         self.assertEqual(tokenizer.most, TOKENIZE_CONCURRENCY)
         for response in responses:
             self.assertEqual(json.loads(response.body_text()), {"input_tokens": 7})
+
+
+class CountTokensWaiters(TestCase):
+    """A count waiting for a tokenizer place is a waiter like any other: at most the line's
+    queue_limit of them and the client's max_waiting; one more gets the estimate at once
+    rather than holding its request for up to connect_timeout."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        upstream = Upstream(
+            name="vllm", url="", http=None, clock=self.clock, connect_timeout=5, idle_timeout=300
+        )
+        replica = Replica("vllm", 2)
+        PositionedSemaphore([replica], self.clock, queue_limit=3, max_waiting={"greedy": 1})
+        self.pool = Pool(upstream, replica, queue_timeout=60)
+
+    def hold(self, client: str) -> Deferred[Any]:
+        return Deferred.fromCoroutine(self.pool.hold_tokenizer(self.clock, client))
+
+    def test_bounded_by_the_line_and_the_client(self) -> None:
+        places = [self.successResultOf(self.hold("c")) for _ in range(TOKENIZE_CONCURRENCY)]
+        greedy = [self.hold("greedy"), self.hold("greedy")]
+        self.assertNoResult(greedy[0])
+        self.assertIsNone(self.successResultOf(greedy[1]), "over the client's max_waiting")
+        others = [self.hold("c") for _ in range(3)]
+        self.assertNoResult(others[0])
+        self.assertNoResult(others[1])
+        self.assertIsNone(self.successResultOf(others[2]), "over the line's queue_limit")
+        places[0].release()
+        self.assertIs(self.successResultOf(greedy[0]), self.pool.tokenizer)
+        self.clock.advance(5)
+        self.assertEqual([self.successResultOf(d) for d in others[:2]], [None, None])
+        self.assertEqual(self.pool.counting, {})
+
+    @async_test
+    async def test_one_over_the_bound_is_answered_with_the_estimate_at_once(self) -> None:
+        servers = Servers(self)
+        tokenizer = HoldsTokenize()
+        port = servers.listen(Site(tokenizer))
+        document = gateway_document(f"http://127.0.0.1:{port}/v1", upstream={"queue_limit": 2})
+        servers.start_gateway(document)
+        pool = servers.gateway.pools["vllm"]
+        path = "/llm/v1/messages/count_tokens"
+        responses = [
+            raw_request(servers.gateway_port, "POST", path, chat(stream=False)) for _ in range(10)
+        ]
+        await wait_for(lambda: len(tokenizer.held) == TOKENIZE_CONCURRENCY, 5.0)
+        await wait_for(lambda: sum(r.closed.called for r in responses) == 4, 5.0)
+        self.assertEqual(len(pool.tokenizer.waiting), 2)
+        estimated = [json.loads(r.body_text()) for r in responses if r.closed.called]
+        self.assertNotIn({"input_tokens": 7}, estimated)
+        while not all(r.closed.called for r in responses):
+            tokenizer.answer_all()
+            await wait_for(lambda: tokenizer.held or all(r.closed.called for r in responses))
+        counted = [json.loads(r.body_text()) for r in responses].count({"input_tokens": 7})
+        self.assertEqual(counted, TOKENIZE_CONCURRENCY + 2)
 
 
 class ErrorBodyBounds(TestCase):

@@ -7,9 +7,11 @@ import inspect
 import json
 import sys
 import time
+import tracemalloc
 import types
 from typing import Any
 
+from tests import helpers
 from tests.grammar import check_stream
 from tests.helpers import PROMPTLY, chat, raw_request, wait_for
 from tests.test_llm import LLMSurface
@@ -63,6 +65,56 @@ class Queue(LLMSurface):
         self.assertTrue(all(r.content.closed for r in in_flight))
         await queued.closed
         self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
+    async def test_a_waiting_request_costs_at_most_twice_its_body(self) -> None:
+        """A waiter keeps its upstream body as JSON bytes, not the parsed tree: one-character
+        messages, the costliest body per byte, cost 6-8 times their size as a tree
+        (`python -m bench.waiters --messages N` measures it at scale)."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        history = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(20_000)]
+        body = json.dumps(chat(messages=[*history, {"role": "user", "content": "hi"}])).encode()
+        gc.collect()
+        tracemalloc.start(25)
+        self.addCleanup(tracemalloc.stop)
+        queued = raw_request(self.port, "POST", "/llm/v1/messages", body)
+        await queued.until_text("event: queue")
+        gc.collect()
+        held = tracemalloc.take_snapshot().filter_traces(
+            [
+                tracemalloc.Filter(False, helpers.__file__),  # the client's copy of its request
+                tracemalloc.Filter(False, "<frozen importlib.*", all_frames=True),  # first use
+            ]
+        )
+        tracemalloc.stop()
+        size, kept = len(body), sum(stat.size for stat in held.statistics("filename"))
+        self.assertLess(kept, 2 * size, f"{kept:,} B held for a {size:,} B body")
+        await queued.closed
+        self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
+        await self.drain(busy)
+
+    @async_test
+    async def test_a_waiting_request_keeps_a_digest_of_its_session(self) -> None:
+        """The session (Claude Code's header, or `metadata.user_id`) is the client's string of
+        any size: the line keeps a fixed-size digest of it, in the waiter and in the session
+        table."""
+        busy = self.fill(2)
+        await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
+        user = chat(metadata={"user_id": "u" * 1_000_000})
+        header = {"x-claude-code-session-id": "s" * 8000}
+        queued = [
+            raw_request(self.port, "POST", "/llm/v1/messages", user),
+            raw_request(self.port, "POST", "/llm/v1/messages", chat(), headers=header),
+        ]
+        for response in queued:
+            await response.until_text("event: queue")
+        kept = [len(want.session) for want in self.slots._wants.values()]
+        self.assertEqual(kept, [32, 32])
+        await self.drain(queued)
+        self.assertEqual([len(key) for key in self.slots.sessions._last], [32, 32])
+        self.assertEqual(len(self.slots.sessions), 2)
         await self.drain(busy)
 
     @async_test

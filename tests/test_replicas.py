@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from homelab_gateway.limiter import PositionedSemaphore, Replica, Slot
-from homelab_gateway.replicas import DOWN, HALF_OPEN, UP, Circuit, Sessions, choose
+from homelab_gateway.replicas import DOWN, HALF_OPEN, UP, Circuit, Sessions, choose, session_key
 
 
 class CircuitStates(SynchronousTestCase):
@@ -315,3 +315,15 @@ class LineOfReplicasMachine(RuleBasedStateMachine):
 
 LineOfReplicasMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)
 TestLineOfReplicas = LineOfReplicasMachine.TestCase
+
+
+@given(st.one_of(st.text(min_size=1), st.binary(min_size=1)))
+def test_a_session_key_has_one_size_whatever_the_client_sent(session: str | bytes) -> None:
+    key = session_key(session)
+    assert key is not None and len(key) == 32
+    assert key == session_key(session)
+    assert session_key("") is None and session_key(None) is None
+
+
+def test_a_session_from_a_header_and_from_the_body_are_one_session() -> None:
+    assert session_key(b"s-1") == session_key("s-1") != session_key("s-2")

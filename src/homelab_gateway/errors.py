@@ -66,6 +66,16 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "code": self.status}}
 
 
+def internal_error() -> GatewayError:
+    """For a request whose handler met an exception nobody expected: the gateway's own fault,
+    already logged with its traceback."""
+    return GatewayError(
+        500,
+        "the gateway failed while answering this request; its log has the details",
+        outcome="internal_error",
+    )
+
+
 def shutdown_error() -> GatewayError:
     """For a request that shutdown cut off before its answer was finished."""
     return GatewayError(

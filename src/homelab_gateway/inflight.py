@@ -21,13 +21,15 @@ from typing import Any
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
-from twisted.python import log
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
-from homelab_gateway.errors import shutdown_error
+from homelab_gateway.errors import internal_error, shutdown_error
 from homelab_gateway.respond import send_error
 from homelab_gateway.telemetry import RequestRecord, Telemetry
+
+log = Logger()
 
 
 class InFlight:
@@ -52,7 +54,8 @@ class InFlight:
         respond: bool = False,
     ) -> Deferred[Any]:
         """Drive `work` for `request`; a shutdown that cuts a handler before it answered gets
-        the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did.
+        the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did, and
+        an exception no handler expected gets a 500 in that shape (`_Flight.answer_failure`).
 
         With `respond`, the flight also writes what the handler returns and finishes the
         request, as Klein does with a route's Deferred (see `web.AnsweredByItsFlight`); without
@@ -62,7 +65,7 @@ class InFlight:
         request.notifyFinish().addBoth(flight.over)
         if respond:
             return flight.d.addCallbacks(flight.write, flight.failed)
-        return flight.d.addErrback(flight.cut_by_shutdown)
+        return flight.d.addErrback(flight.answer_failure)
 
     def _done(self, request: IRequest) -> None:
         del self._active[request]
@@ -136,11 +139,25 @@ class _Flight:
         self.inflight.telemetry.finish(record)
         self.inflight._done(request)
 
-    def cut_by_shutdown(self, failure: Failure) -> Any:
-        failure.trap(CancelledError)
-        if self.record.outcome != "shutdown" or self.request.startedWriting:
-            return failure
-        return send_error(self.request, shutdown_error(), anthropic=self.anthropic)
+    def answer_failure(self, failure: Failure) -> Any:
+        """The answer to a handler's failure while its client is still there: a shutdown's cut
+        its 503, anything else (an exception no handler expected) its 500, after one traceback
+        in the log. Once the answer has begun, only a cut connection can tell the client that
+        the body is incomplete."""
+        if self.ended:
+            return failure  # the client left: nobody to answer
+        if failure.check(CancelledError) and self.record.outcome == "shutdown":
+            error = shutdown_error()
+        else:
+            log.failure(
+                "Unhandled error answering {request_id}", failure, request_id=self.record.request_id
+            )
+            self.record.outcome = "internal_error"
+            error = internal_error()
+        if self.request.startedWriting:
+            self.request.channel.transport.abortConnection()
+            return None
+        return send_error(self.request, error, anthropic=self.anthropic)
 
     # What Klein's `KleinResource.render` does with a route's Deferred, for a flight that
     # answers its request itself (`respond`): one callback pair on the handler's Deferred
@@ -158,23 +175,20 @@ class _Flight:
             if not self.ended:
                 request.finish()
         except Exception:
-            log.err(Failure(), "Unhandled Error writing response")
+            log.failure(
+                "Unhandled error writing the answer to {request_id}",
+                request_id=self.record.request_id,
+            )
 
     def failed(self, failure: Failure) -> None:
-        """A shutdown's cut gets its 503 (`cut_by_shutdown`); any other failure of a request
-        still open is twisted.web's 500; once the request is over, only an unexpected failure
-        is worth a log line (a client that left cancels its handler)."""
-        if (
-            failure.check(CancelledError)
-            and self.record.outcome == "shutdown"
-            and not self.request.startedWriting
-        ):
-            self.write(send_error(self.request, shutdown_error(), anthropic=self.anthropic))
-        elif self.ended:
-            if not failure.check(CancelledError):
-                log.err(failure, "Unhandled Error Processing Request.")
-        else:
-            try:
-                self.request.processingFailed(failure)
-            except Exception:
-                log.err(Failure(), "Unhandled Error writing response")
+        """A failure of a request still open is answered (`answer_failure`); once the request
+        is over, only an unexpected failure is worth a log line (a client that left cancels its
+        handler)."""
+        if not self.ended:
+            self.write(self.answer_failure(failure))
+        elif not failure.check(CancelledError):
+            log.failure(
+                "Unhandled error after {request_id} ended",
+                failure,
+                request_id=self.record.request_id,
+            )

@@ -17,6 +17,7 @@ from typing import Any
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 
@@ -26,6 +27,7 @@ from homelab_gateway.errors import (
     ContextOverflow,
     GatewayError,
     context_overflow,
+    internal_error,
     shutdown_error,
     upstream_http_error,
 )
@@ -33,12 +35,14 @@ from homelab_gateway.limiter import PositionListener, Replica, Slot
 from homelab_gateway.mapping import (
     InvalidRequest,
     MappedRequest,
+    PackedRequest,
     find_model,
     map_request,
     request_model,
+    tokenize_request,
 )
 from homelab_gateway.pool import Pool, hold_slot
-from homelab_gateway.replicas import DOWN
+from homelab_gateway.replicas import DOWN, UP, session_key
 from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.sse import encode_event
 from homelab_gateway.telemetry import RequestRecord
@@ -53,6 +57,7 @@ from homelab_gateway.translator import (
 )
 from homelab_gateway.upstream import AnswerComplete, Backpressure, UpstreamBroken
 
+log = Logger()
 TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
 """vLLM's /tokenize answer lists every token id (about 7 bytes each): 8 MiB covers a
 million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
@@ -215,27 +220,21 @@ class Messages:
         window = self.upstream_window(model.upstream, model.model_on(model.upstream))
         return window if window is not None else model.context_window
 
-    async def tokenize(self, pool: Pool, body: Mapping[str, Any]) -> tuple[int | None, int | None]:
-        """vLLM's exact prompt count and window from its /tokenize (beside /v1): (None, None)
-        where there is no such endpoint (llama.cpp's takes other fields, Ollama has none), or
-        when no tokenizer place came free within `connect_timeout` (see pool.hold_tokenizer)."""
+    async def tokenize(
+        self, pool: Pool, payload: bytes, client: str
+    ) -> tuple[int | None, int | None]:
+        """vLLM's exact prompt count and window from its /tokenize (beside /v1) for `payload`
+        (`mapping.tokenize_request`): (None, None) where there is no such endpoint (llama.cpp's
+        takes other fields, Ollama has none), or when no tokenizer place came free
+        (`Pool.hold_tokenizer`)."""
         upstream = pool.upstream
         base = upstream.url.removesuffix("/v1")
-        payload = {
-            "model": body["model"],
-            "messages": body["messages"],
-            "add_generation_prompt": True,
-        }
-        if "tools" in body:
-            payload["tools"] = body["tools"]
         headers = {b"content-type": [b"application/json"]}
-        place = await pool.hold_tokenizer(self.clock)
+        place = await pool.hold_tokenizer(self.clock, client)
         if place is None:
             return None, None
         try:
-            response = await upstream.open(
-                "POST", base + "/tokenize", headers, json.dumps(payload).encode()
-            )
+            response = await upstream.open("POST", base + "/tokenize", headers, payload)
             text = await upstream.read_limited(response, TOKENIZE_BODY_LIMIT)
         except GatewayError:
             return None, None
@@ -256,36 +255,58 @@ class Messages:
         )
 
     async def _overflow_error(
-        self, pool: Pool, mapped: MappedRequest, overflow: ContextOverflow
+        self,
+        pool: Pool,
+        record: RequestRecord,
+        packed: PackedRequest,
+        sent: bytes,
+        overflow: ContextOverflow,
     ) -> tuple[GatewayError, int]:
         """Fill in the numbers the upstream left out, then say it in Anthropic's words.
 
         vLLM 0.32 stops counting one token past the window ("at least 2049") and Ollama gives
         no number: the prompt's real count comes from /tokenize where there is one, the window
         from /tokenize, /models or the config. With no count at all the gateway's estimate
-        stands in. Answers the error and the prompt's count, for the request's record.
+        stands in. `sent` is the upstream body the refusal answered. Answers the error and the
+        prompt's count, for the request's record.
         """
         prompt, limit = overflow.prompt_tokens, overflow.limit
         if prompt is None or overflow.at_least:
-            count, window = await self.tokenize(pool, mapped.body)
+            payload = tokenize_request(json.loads(sent))
+            count, window = await self.tokenize(pool, payload, record.client)
             if count is not None:
                 prompt = max(count, prompt or 0)
             limit = limit or window
         if limit is None:
-            model = find_model(self.models, mapped.model)
+            model = find_model(self.models, packed.model)
             limit = self.context_window(model) if model is not None else None
         if prompt is None:
-            prompt = mapped.estimated_input_tokens
+            prompt = packed.estimated_input_tokens
         return dataclasses.replace(overflow, prompt_tokens=prompt, limit=limit).error(), prompt
 
-    def resolve(
-        self, request: IRequest, record: RequestRecord, *, count_only: bool = False
+    def resolve(self, request: IRequest, record: RequestRecord) -> tuple[Target, PackedRequest]:
+        """The request, validated and mapped, as it waits: packed (`MappedRequest.packed`), its
+        parsed body let go."""
+        target, mapped = self._parse(request, record, count_only=False)
+        return target, mapped.packed()
+
+    def count_request(self, request: IRequest, record: RequestRecord) -> tuple[Pool, bytes, int]:
+        """For count_tokens: the replica to count on (one in rotation, if any), its /tokenize
+        body and the gateway's estimate; the parsed body is let go before the count waits for
+        a tokenizer place."""
+        target, mapped = self._parse(request, record, count_only=True)
+        pool = next((p for p in target.pools if p.replica.circuit.state == UP), target.pools[0])
+        body = {**mapped.body, "model": target.model.model_on(pool.upstream.name)}
+        return pool, tokenize_request(body), mapped.estimated_input_tokens
+
+    def _parse(
+        self, request: IRequest, record: RequestRecord, *, count_only: bool
     ) -> tuple[Target, MappedRequest]:
         """Parse and map the request body; the channel has already bounded its size.
 
-        The raw body is let go once read: a request may wait minutes for a slot, and the mapped
-        request is all it needs from then on (a coding agent's body is 100 KB or more, and from
-        100 KB on twisted.web keeps it in a temporary file, a descriptor per waiter)."""
+        The raw body is let go once read (from 100 KB on twisted.web keeps it in a temporary
+        file, a descriptor per waiter). The session is kept as its `session_key`: a client
+        picks its size."""
         raw = request.content.read()
         request.content.close()
         try:
@@ -313,7 +334,7 @@ class Messages:
             raise GatewayError(400, f"request body is not valid JSON: {e}") from None
         record.stream = mapped.stream
         record.input_tokens = mapped.estimated_input_tokens
-        session = request.getHeader(SESSION_HEADER) or mapped.body.get("user")
+        session = session_key(request.getHeader(SESSION_HEADER) or mapped.body.get("user"))
         return Target(model, pools, session), mapped
 
     async def answer(self, request: IRequest, record: RequestRecord) -> bytes | None:
@@ -326,29 +347,33 @@ class Messages:
             return send_error(request, GatewayError(405, "use POST for /v1/messages"))
         stream: EventStream | None = None
         try:
-            target, mapped = self.resolve(request, record)
-            # Its headers are read (the access checks, the session) and the answer needs none
-            # of them: a request may wait minutes in the line, ~1 KB of headers each.
-            request.requestHeaders = Headers()
-            if not mapped.stream:
-                return send_json(request, 200, await self._whole(record, target, mapped))
-            stream = EventStream(request, self.clock, self.ping_interval)
-            stream.estimator = target.pools[0].slots.estimate
-            await self._attempts(
-                record, target, mapped, stream.queue_position, request, stream.send
-            )
-            return None
-        except GatewayError as e:
-            record.outcome = record.outcome or e.outcome
-            if stream is not None and stream.started:  # too late for an HTTP error
-                stream.send([error_event(e.error_type, e.message)])
+            try:
+                target, packed = self.resolve(request, record)
+                # Its headers are read (the access checks, the session) and the answer needs
+                # none of them: a request may wait minutes in the line, ~1 KB of headers each.
+                request.requestHeaders = Headers()
+                if not packed.stream:
+                    return send_json(request, 200, await self._whole(record, target, packed))
+                stream = EventStream(request, self.clock, self.ping_interval)
+                stream.estimator = target.pools[0].slots.estimate
+                await self._attempts(
+                    record, target, packed, stream.queue_position, request, stream.send
+                )
                 return None
-            return send_error(request, e)
-        except CancelledError:
-            if record.outcome != "shutdown":
-                raise  # the client left: there is no one to answer
-            error = shutdown_error()
-            if stream is not None and stream.started:
+            except CancelledError:
+                if record.outcome != "shutdown":
+                    raise  # the client left: there is no one to answer
+                error = shutdown_error()
+            except GatewayError as e:
+                record.outcome = record.outcome or e.outcome
+                error = e
+            except Exception:
+                # The gateway's own fault: one traceback, and the client hears of it in its
+                # surface's terms. What the request held was given back on the way here.
+                log.failure("Unhandled error answering {request_id}", request_id=record.request_id)
+                error = internal_error()
+                record.outcome = error.outcome
+            if stream is not None and stream.started:  # too late for an HTTP error
                 stream.send([error_event(error.error_type, error.message)])
                 return None
             return send_error(request, error)
@@ -360,7 +385,7 @@ class Messages:
         self,
         record: RequestRecord,
         target: Target,
-        mapped: MappedRequest,
+        packed: PackedRequest,
         on_position: PositionListener | None,
         request: IRequest | None,
         emit: Callable[[list[Event]], None],
@@ -392,10 +417,11 @@ class Messages:
                 deadline=deadline,
             )
             record.upstream = pool.upstream.name
-            mapped.body["model"] = target.model.model_on(pool.upstream.name)
-            mapped.body.update(pool.upstream_fields(record))
+            body = packed.body(
+                model=target.model.model_on(pool.upstream.name), **pool.upstream_fields(record)
+            )
             try:
-                await self._relay(request, record, pool, mapped, emit, slot)
+                await self._relay(request, record, pool, packed, body, emit, slot)
                 return
             except GatewayError as e:
                 if record.outcome in CANCELLED:
@@ -427,10 +453,10 @@ class Messages:
                 deadline = started + max(p.queue_timeout for p in target.pools)
 
     async def _whole(
-        self, record: RequestRecord, target: Target, mapped: MappedRequest
+        self, record: RequestRecord, target: Target, packed: PackedRequest
     ) -> dict[str, Any]:
         builder = MessageBuilder()
-        await self._attempts(record, target, mapped, None, None, builder.add)
+        await self._attempts(record, target, packed, None, None, builder.add)
         try:
             return builder.message()
         except IncompleteMessage as e:
@@ -443,11 +469,12 @@ class Messages:
         request: IRequest | None,
         record: RequestRecord,
         pool: Pool,
-        mapped: MappedRequest,
+        packed: PackedRequest,
+        body: bytes,
         emit: Callable[[list[Event]], None],
         slot: Slot,
     ) -> None:
-        """Send the upstream request and pour its translated stream into `emit`; tell `slot`
+        """Send the upstream request `body` and pour its translated stream into `emit`; tell `slot`
         whether the replica answered (any status but 502, 503 and 504).
 
         Raises GatewayError while nothing has been emitted (the client can still get an HTTP
@@ -455,7 +482,6 @@ class Messages:
         the client's connection is backpressure on the upstream's.
         """
         upstream = pool.upstream
-        body = json.dumps(mapped.body).encode()
         headers = {b"content-type": [b"application/json"], b"accept": [b"text/event-stream"]}
         sent_at = self.clock.seconds()
         try:
@@ -471,17 +497,19 @@ class Messages:
             error_body = await upstream.read_limited(response)
             overflow = context_overflow(error_body)
             if overflow is not None:
-                error, record.input_tokens = await self._overflow_error(pool, mapped, overflow)
+                error, record.input_tokens = await self._overflow_error(
+                    pool, record, packed, body, overflow
+                )
                 raise error
             retry_after = response.headers.getRawHeaders(b"retry-after", [None])[0]
             raise upstream_http_error(
                 response.code, error_body, retry_after.decode() if retry_after else None
             )
         translator = StreamTranslator(
-            model=mapped.model,
-            input_tokens=mapped.estimated_input_tokens,
-            stop_sequences=mapped.stop_sequences,
-            show_reasoning=mapped.show_reasoning,
+            model=packed.model,
+            input_tokens=packed.estimated_input_tokens,
+            stop_sequences=packed.stop_sequences,
+            show_reasoning=packed.show_reasoning,
         )
         decoder = UpstreamDecoder(translator)
         emitted = False

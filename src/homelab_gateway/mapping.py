@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from homelab_gateway.config import ModelConfig
 
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
@@ -28,6 +30,7 @@ CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens 
 # (`_strip_claude_code_billing_header`): a system text starting with it loses its first line,
 # and the block goes if nothing follows; any other text is untouched.
 BILLING_HEADER = "x-anthropic-billing-header"
+PER_ATTEMPT = ("model", "priority")  # fields each attempt sets for the replica it goes to
 
 
 class InvalidRequest(Exception):
@@ -42,6 +45,63 @@ class MappedRequest:
     stop_sequences: tuple[str, ...]
     estimated_input_tokens: int
     show_reasoning: bool = True  # False: drop the upstream's reasoning from the answer
+
+    def packed(self) -> PackedRequest:
+        """What the request keeps while it waits for a slot (see `PackedRequest`)."""
+        own = {name: self.body[name] for name in PER_ATTEMPT if name in self.body}
+        rest = {name: value for name, value in self.body.items() if name not in PER_ATTEMPT}
+        return PackedRequest(
+            model=self.model,
+            stream=self.stream,
+            json=dumps(rest),
+            own=own,
+            stop_sequences=self.stop_sequences,
+            estimated_input_tokens=self.estimated_input_tokens,
+            show_reasoning=self.show_reasoning,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedRequest:
+    """A mapped request as it waits for a slot: the upstream body as JSON bytes, since its
+    parsed tree costs 6-8 times its size (a long conversation's one-line messages), and
+    the fields of `PER_ATTEMPT` apart, to be set for the replica each attempt goes to."""
+
+    model: str
+    stream: bool
+    json: bytes  # the upstream body less the `PER_ATTEMPT` fields
+    own: dict[str, Any]  # the body's own values of those (a model's `params` may set one)
+    stop_sequences: tuple[str, ...]
+    estimated_input_tokens: int
+    show_reasoning: bool
+
+    def body(self, **fields: Any) -> bytes:
+        """The upstream body with `fields` (of `PER_ATTEMPT`) set, ahead of the rest."""
+        head = dumps({**self.own, **fields})
+        if self.json == b"{}":
+            return head
+        if head == b"{}":
+            return self.json
+        return head[:-1] + b"," + self.json[1:]
+
+
+def dumps(document: Any) -> bytes:
+    """Compact UTF-8 JSON, in a buffer of its own size: orjson's is sized for the worst case
+    (several times the text), and a waiter keeps its body for minutes. orjson refuses what
+    Python's json takes from a client (a lone surrogate escape, an integer past 64 bits):
+    those are written by the standard library."""
+    try:
+        return bytes(memoryview(orjson.dumps(document)))
+    except orjson.JSONEncodeError:
+        return json.dumps(document, separators=(",", ":")).encode()
+
+
+def tokenize_request(body: Mapping[str, Any]) -> bytes:
+    """vLLM's /tokenize request for the prompt of upstream `body` (a chat request)."""
+    payload = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True}
+    if "tools" in body:
+        payload["tools"] = body["tools"]
+    return dumps(payload)
 
 
 def request_model(body: Any) -> str:

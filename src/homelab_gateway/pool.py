@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ TOKENIZE_CONCURRENCY = 4
 """At most this many `/tokenize` requests in flight per upstream (count_tokens). Tokenizing
 runs in vLLM's API server, not its engine, so it takes no generation slot (a count must not
 wait minutes behind generations); but it is still bounded, so a burst of count_tokens cannot
-open a connection each."""
+open a connection each, and so are the counts waiting for a place (`Pool.hold_tokenizer`)."""
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class Pool:
     tokenizer: DeferredSemaphore = field(
         default_factory=lambda: DeferredSemaphore(TOKENIZE_CONCURRENCY)
     )
+    counting: Counter[str] = field(default_factory=Counter)  # counts waiting, by client
 
     def __post_init__(self) -> None:
         self.replica.owner = self
@@ -76,15 +78,29 @@ class Pool:
             return {}
         return {"priority": VLLM_PRIORITY[record.served_as]}
 
-    async def hold_tokenizer(self, clock: IReactorTime) -> DeferredSemaphore | None:
-        """One of the upstream's TOKENIZE_CONCURRENCY places (FIFO), or None after waiting
-        `connect_timeout`: the caller then answers with its estimate. The caller releases."""
-        d = self.tokenizer.acquire()
+    async def hold_tokenizer(self, clock: IReactorTime, client: str) -> DeferredSemaphore | None:
+        """One of the upstream's TOKENIZE_CONCURRENCY places (FIFO) for `client`'s count, or
+        None (the caller then answers with its estimate): at once when as many counts wait as
+        the line lets requests wait (its queue_limit, the client's max_waiting), else after
+        waiting `connect_timeout`. The caller releases."""
+        tokenizer, line = self.tokenizer, self.slots
+        if not tokenizer.tokens:
+            limit = line.max_waiting.get(client)
+            if line.queue_limit is not None and len(tokenizer.waiting) >= line.queue_limit:
+                return None
+            if limit is not None and self.counting[client] >= limit:
+                return None
+        d = tokenizer.acquire()
         d.addTimeout(self.upstream.connect_timeout, clock)
+        self.counting[client] += 1
         try:
             return await d
         except DeferredTimeout:
             return None
+        finally:
+            self.counting[client] -= 1
+            if not self.counting[client]:
+                del self.counting[client]
 
 
 async def hold_slot(

@@ -15,6 +15,7 @@ values, so they are tested without a reactor:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ from typing import Protocol, TypeVar
 
 UP, DOWN, HALF_OPEN = "up", "down", "half-open"
 SESSIONS_REMEMBERED = 10_000
-"""Sessions whose last replica a line remembers (least recently used forgotten first): about
-100 bytes each, so at most about 1 MB however many sessions pass."""
+"""Sessions whose last replica a line remembers (least recently used forgotten first): each
+keyed by its `session_key`, about 150 bytes, so at most about 1.5 MB however many pass."""
 
 
 @dataclass
@@ -111,6 +112,16 @@ def choose(candidates: Sequence[C], last: str | None, turn: int) -> C:
     most = max(c.free for c in tier)
     best = [c for c in tier if c.free == most]
     return best[turn % len(best)]
+
+
+def session_key(value: str | bytes | None) -> str | None:
+    """A fixed-size name for a client's session (a header or `metadata.user_id` of any size),
+    so the session table, every waiter and the shared line's events hold 32 characters, never
+    what the client sent; None for no session."""
+    if not value:
+        return None
+    raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 class Sessions:

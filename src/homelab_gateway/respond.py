@@ -16,9 +16,14 @@ def new_request_id() -> str:
 
 
 def send_json(request: IRequest, status: int, document: Any) -> bytes:
+    """`document` as UTF-8 JSON; one holding a lone surrogate (a model's tool arguments can
+    spell one with a `\\u` escape) as ASCII JSON, which writes it as that same escape."""
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
-    return json.dumps(document, ensure_ascii=False).encode()
+    try:
+        return json.dumps(document, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(document).encode()
 
 
 def send_error(request: IRequest, error: GatewayError, *, anthropic: bool = True) -> bytes:

@@ -30,7 +30,6 @@ from homelab_gateway.mapping import find_model
 from homelab_gateway.pool import Pool
 from homelab_gateway.proxy import ReverseProxy
 from homelab_gateway.readiness import Readiness
-from homelab_gateway.replicas import UP
 from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
 from homelab_gateway.telemetry import RequestRecord, Telemetry
@@ -152,14 +151,12 @@ class GatewayApp:
         if request.method != b"POST":
             return send_error(request, GatewayError(405, "use POST for /v1/messages/count_tokens"))
         try:
-            target, mapped = self.messages.resolve(request, record, count_only=True)
+            pool, payload, estimate = self.messages.count_request(request, record)
         except GatewayError as e:
             record.outcome = e.outcome
             return send_error(request, e)
-        pool = next((p for p in target.pools if p.replica.circuit.state == UP), target.pools[0])
-        mapped.body["model"] = target.model.model_on(pool.upstream.name)
-        count, _ = await self.messages.tokenize(pool, mapped.body)
-        record.input_tokens = count or mapped.estimated_input_tokens
+        count, _ = await self.messages.tokenize(pool, payload, record.client)
+        record.input_tokens = count or estimate
         return send_json(request, 200, {"input_tokens": record.input_tokens})
 
     @app.route("/llm/v1/models", methods=["GET", "OPTIONS"])
