@@ -416,11 +416,10 @@ class Messages:
                 avoid=avoid,
                 deadline=deadline,
             )
-            record.upstream = pool.upstream.name
-            body = packed.body(
-                model=target.model.model_on(pool.upstream.name), **pool.upstream_fields(record)
-            )
-            try:
+            try:  # from here on, whatever happens gives the slot back
+                record.upstream = pool.upstream.name
+                model = target.model.model_on(pool.upstream.name)
+                body = packed.body(model=model, **pool.upstream_fields(record))
                 await self._relay(request, record, pool, packed, body, emit, slot)
                 return
             except GatewayError as e:
