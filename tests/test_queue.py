@@ -96,6 +96,32 @@ class Queue(LLMSurface):
         await self.drain(busy)
 
     @async_test
+    async def test_a_finished_request_leaves_its_body_to_nobody(self) -> None:
+        """A finished request's objects can wait in reference cycles until the collector runs
+        (rarely, in the daemon: `heap.settle_heap`): none of them may hold its body."""
+        first = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
+        await first.closed  # a whole life, every module it imports, before the one measured
+        gc.disable()
+        self.addCleanup(gc.enable)
+        tracemalloc.start()
+        self.addCleanup(tracemalloc.stop)
+        size = 1_000_000
+        for i in range(3):
+            user = {"user_id": f"{i}" * size}
+            response = raw_request(
+                self.port, "POST", "/llm/v1/messages", chat(stream=False, metadata=user)
+            )
+            await response.closed
+            self.assertEqual(response.status, 200)
+        del user
+        await wait_for(lambda: not self.servers.gateway.inflight, what="the requests to end")
+        held = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, helpers.__file__)]  # the client's copies
+        )
+        kept = sum(stat.size for stat in held.statistics("filename"))
+        self.assertLess(kept, size, f"{kept:,} B held after three {size:,} B bodies")
+
+    @async_test
     async def test_a_waiting_request_keeps_a_digest_of_its_session(self) -> None:
         """The session (Claude Code's header, or `metadata.user_id`) is the client's string of
         any size: the line keeps a fixed-size digest of it, in the waiter and in the session

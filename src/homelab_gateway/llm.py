@@ -418,9 +418,11 @@ class Messages:
             )
             try:  # from here on, whatever happens gives the slot back
                 record.upstream = pool.upstream.name
-                model = target.model.model_on(pool.upstream.name)
-                body = packed.body(model=model, **pool.upstream_fields(record))
-                await self._relay(request, record, pool, packed, body, emit, slot)
+                fields = {
+                    "model": target.model.model_on(pool.upstream.name),
+                    **pool.upstream_fields(record),
+                }
+                await self._relay(request, record, pool, packed, fields, emit, slot)
                 return
             except GatewayError as e:
                 if record.outcome in CANCELLED:
@@ -469,12 +471,15 @@ class Messages:
         record: RequestRecord,
         pool: Pool,
         packed: PackedRequest,
-        body: bytes,
+        fields: dict[str, Any],
         emit: Callable[[list[Event]], None],
         slot: Slot,
     ) -> None:
-        """Send the upstream request `body` and pour its translated stream into `emit`; tell `slot`
-        whether the replica answered (any status but 502, 503 and 504).
+        """Send the upstream request (`packed` with this attempt's `fields`) and pour its
+        translated stream into `emit`; tell `slot` whether the replica answered (any status
+        but 502, 503 and 504). No frame here keeps the body it sends: the frames of an answer
+        that ended with an exception live on in a cycle until the collector comes, and a long
+        conversation's body is megabytes.
 
         Raises GatewayError while nothing has been emitted (the client can still get an HTTP
         error); after that every failure is an error event through `emit`. With a `request`,
@@ -485,7 +490,7 @@ class Messages:
         sent_at = self.clock.seconds()
         try:
             response = await upstream.open(
-                "POST", upstream.url + "/chat/completions", headers, body
+                "POST", upstream.url + "/chat/completions", headers, packed.body(**fields)
             )
         except CancelledError:
             record.upstream_cancelled = True
@@ -497,7 +502,7 @@ class Messages:
             overflow = context_overflow(error_body)
             if overflow is not None:
                 error, record.input_tokens = await self._overflow_error(
-                    pool, record, packed, body, overflow
+                    pool, record, packed, packed.body(**fields), overflow
                 )
                 raise error
             retry_after = response.headers.getRawHeaders(b"retry-after", [None])[0]

@@ -78,7 +78,9 @@ class BytesProducer:
     """A request body already in memory, written at once.
 
     Twisted's FileBodyProducer writes on a later cooperator tick, a delay every upstream request
-    would pay before the upstream even sees its body.
+    would pay before the upstream even sees its body. Once written it is let go: a finished
+    request's objects wait in reference cycles for the collector, and a long conversation's
+    body is megabytes.
     """
 
     def __init__(self, data: bytes) -> None:
@@ -86,7 +88,8 @@ class BytesProducer:
         self.length = len(data)
 
     def startProducing(self, consumer: Any) -> Deferred[None]:
-        consumer.write(self._data)
+        data, self._data = self._data, b""
+        consumer.write(data)
         return succeed(None)
 
     def pauseProducing(self) -> None:
