@@ -32,6 +32,7 @@ from tests.helpers import (
     chat,
     gateway_document,
     raw_request,
+    send_raw,
     wait_for,
 )
 from tests.test_proxy import async_test
@@ -443,6 +444,10 @@ class PageAndStream(TestCase):
         refused = await self.get("/status/events")
         self.assertEqual(refused.status, 503)
         self.assertEqual(refused.header("retry-after"), "15")
+        # A client that would keep its connection alive has it closed: its descriptor back.
+        alive = send_raw(self.port, b"GET /status/events HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        await alive.closed.addTimeout(PROMPTLY, reactor)
+        self.assertEqual((alive.status, alive.header("connection")), (503, "close"))
         error = json.loads(refused.body_text())["error"]
         self.assertEqual(error["type"], "overloaded_error")
         self.assertIn("max_status_subscribers = 2", error["message"])

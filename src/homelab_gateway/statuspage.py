@@ -191,6 +191,11 @@ class StatusPage:
         With `max_subscribers` open already, the answer is a 503 instead, at once."""
         refusal = self.refusal()
         if refusal is not None:
+            # Closed once answered, not kept alive for another request: its descriptor back
+            # at once, or refused watchers would still hold every one.
+            request.setHeader(b"connection", b"close")
+            if request.channel is not None:
+                request.channel.persistent = False
             return send_error(request, refusal, anthropic=False)
         request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
         request.setHeader(b"cache-control", b"no-cache")
