@@ -39,16 +39,21 @@ STUB_TOKENS = 8
 FRAMES = 12  # of each allocation's traceback
 
 
-def request_bytes(prompt: str, tag: str, port: int) -> bytes:
-    """What bench's burst scenario sends: a streamed prompt, a user id per client."""
+def request_bytes(prompt: str, tag: str, port: int, messages: int = 0) -> bytes:
+    """What bench's burst scenario sends: a streamed prompt, a user id per client; with
+    `messages`, that many one-character messages before it (the costliest body per byte)."""
+    history = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(messages)]
+    if messages % 2:
+        history.append({"role": "assistant", "content": "a"})
     body = json.dumps(
         {
             "model": "queue",
             "max_tokens": 16,
             "stream": True,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": [*history, {"role": "user", "content": prompt}],
             "metadata": {"user_id": tag},
-        }
+        },
+        separators=(",", ":"),
     ).encode()
     return (
         f"POST /llm/v1/messages HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
@@ -60,7 +65,7 @@ def request_bytes(prompt: str, tag: str, port: int) -> bytes:
 # The client: a child process driven by one command a line on stdin, answering one line each.
 
 
-async def _client(port: int, padding: int) -> None:
+async def _client(port: int, padding: int, messages: int) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -72,7 +77,8 @@ async def _client(port: int, padding: int) -> None:
         """One request: `seen` once its first frame arrived; True if it ended with
         message_stop."""
         r, w = await asyncio.open_connection("127.0.0.1", port)
-        w.write(request_bytes(prompt + " " + "x" * padding if padding else prompt, tag, port))
+        text = prompt + " " + "x" * padding if padding else prompt
+        w.write(request_bytes(text, tag, port, messages if prompt != "stall" else 0))
         received = b""
         while True:
             data = await r.read(65536)
@@ -187,7 +193,7 @@ def report(n: int, before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, to
         print(f"  {size / n:7.0f} {count / n:5.1f}  {show(frames[0], code=True)}\n      < {chain}")
 
 
-def measure(n: int, top: int, padding: int) -> None:
+def measure(n: int, top: int, padding: int, messages: int) -> None:
     from twisted.internet import protocol, reactor
     from twisted.internet.defer import Deferred, ensureDeferred
 
@@ -207,6 +213,7 @@ def measure(n: int, top: int, padding: int) -> None:
             }
         },
         "models": {"queue": {"upstream": "queue"}},
+        "server": {"max_body_bytes": 64 * 1024 * 1024, "request_timeout": 3600},
     }
     gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
     listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1", backlog=4096)
@@ -246,6 +253,8 @@ def measure(n: int, top: int, padding: int) -> None:
             str(port),
             "--prompt-bytes",
             str(padding),
+            "--messages",
+            str(messages),
         ],
         env=os.environ,
     )
@@ -299,6 +308,9 @@ def measure(n: int, top: int, padding: int) -> None:
         reactor.stop()
         return result
 
+    body = len(request_bytes("content-only", "c-0", port, messages).partition(b"\r\n\r\n")[2])
+    print(f"each waiter's request body: {body:,} B")
+
     reactor.callWhenRunning(lambda: ensureDeferred(run()).addBoth(stop))
     reactor.run()
 
@@ -313,12 +325,18 @@ def main() -> None:
         default=0,
         help="pad each prompt by this many bytes (a coding agent's request is 100 KB or more)",
     )
+    parser.add_argument(
+        "--messages",
+        type=int,
+        default=0,
+        help="this many one-character messages before each prompt (the costliest body per byte)",
+    )
     parser.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client is not None:
-        asyncio.run(_client(args.client, args.prompt_bytes))
+        asyncio.run(_client(args.client, args.prompt_bytes, args.messages))
     else:
-        measure(args.waiters, args.top, args.prompt_bytes)
+        measure(args.waiters, args.top, args.prompt_bytes, args.messages)
 
 
 if __name__ == "__main__":
