@@ -10,6 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
 from homelab_gateway.access import AccessPolicy
 from tests.grammar import check_stream
@@ -114,6 +116,24 @@ class Metrics(LLMSurface):
         self.assertEqual(
             metric(text, "homelab_gateway_upstream_cancellations_total", upstream="vllm"), 1
         )
+
+
+class QuietLog(LLMSurface):
+    @async_test
+    async def test_a_request_logs_its_own_line_and_no_connection_of_its_upstream(self) -> None:
+        """One line per request, the gateway's: not Twisted's "Starting factory" and "Stopping
+        factory" pair for each upstream connection it opens."""
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        responses = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(2)]
+        for response in responses:
+            await response.closed
+        await self.servers.gateway.http_pool.closeCachedConnections()
+        upstream = [e for e in events if isinstance(e.get("factory"), HTTP11ClientFactory)]
+        self.assertEqual([formatEvent(e) for e in upstream], [])
+        requests = [e for e in events if e.get("log_namespace") == "homelab_gateway.requests"]
+        self.assertEqual(len(requests), 2)
 
 
 class RequestLog(LLMSurface):

@@ -21,7 +21,15 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
-from twisted.web.client import HTTPConnectionPool
+from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
+
+
+class _QuietFactory(_HTTP11ClientFactory):
+    """Twisted's factory for one upstream connection, without its "Starting factory" and
+    "Stopping factory" log lines: a pair for every connection, where the request log has one
+    line per request."""
+
+    noisy = False
 
 
 class _Asks:
@@ -56,6 +64,7 @@ class UpstreamPool(HTTPConnectionPool):
     """
 
     cachedConnectionTimeout = 4
+    _factory = _QuietFactory  # HTTPConnectionPool's documented hook for its connections' factory
 
     def __init__(self, reactor: Any, persistent: bool = True) -> None:
         super().__init__(reactor, persistent)
