@@ -377,6 +377,18 @@ class UnexpectedErrors(LLMSurface):
         self.assertEqual(json.loads(response.body_text())["error"]["type"], "api_error")
         self.assertEqual(await self.outcome(), "internal_error")
 
+    @async_test
+    async def test_on_a_route_that_answers_at_once(self) -> None:
+        def broken() -> Any:
+            raise RuntimeError("a bug")
+
+        self.patch(self.servers.gateway.app, "status_document", broken)
+        response = raw_request(self.port, "GET", "/llm/v1/status")
+        await response.closed
+        self.assertEqual(response.status, 500)
+        self.assertEqual(json.loads(response.body_text())["error"]["type"], "api_error")
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
 
 class AsKleinWroteIt(LLMSurface):
     """`/llm/v1/messages` is a Klein route whose request's flight writes the answer and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -678,3 +679,21 @@ def test_a_packed_request_writes_whatever_the_client_sent(text: str, number: int
     sent = packed_body({**body, "tools": tools}, model="x")
     assert sent["messages"] == [{"role": "user", "content": text}]
     assert sent["tools"][0]["function"]["parameters"]["maximum"] == number
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("model", "claude-\ud800", "model:"),
+        ("stop_sequences", ["END", "\udc00"], "stop_sequences.1:"),
+    ],
+)
+def test_a_string_the_answer_echoes_cannot_hold_a_lone_surrogate(
+    field: str, value: Any, named: str
+) -> None:
+    """The model's name and a matched stop sequence go back to the client in the answer, whose
+    UTF-8 cannot carry half a surrogate pair (`\\ud800` in the request's JSON): a 400 naming
+    the field, not a failure to write the answer."""
+    body = {"model": "reasoning", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidRequest, match=f"^{re.escape(named)} holds a lone surrogate"):
+        map_request({**body, field: value}, MODEL)

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
@@ -235,3 +235,35 @@ class AJoinThatFails(TestCase):
         d = self.line.acquire_in_line(session="0" * 32)
         self.failureResultOf(d, Unavailable)
         self.assertEqual(self.kept(), [{}, {}, {}])
+
+    def test_one_whose_join_ran_but_whose_reply_was_lost(self) -> None:
+        """Redis ran the join, its event is in the copy, then the reply timed out: the waiter
+        leaves as one that gives up does, and the copy stays whole until the leave is back."""
+        joins: list[tuple[tuple[Any, ...], Deferred[Any]]] = []
+
+        def line_call(line: Any, script: str, *args: Any) -> Deferred[Any]:
+            if script == "join":
+                joins.append((args, Deferred()))
+                return joins[-1][1]
+            return succeed("left")
+
+        self.cluster.line_call = line_call  # type: ignore[method-assign]
+        waiter = self.line.acquire_in_line(session="0" * 32)
+        (w, info, _, _), reply = joins[0]
+        self.line.apply({"op": "join", "t": "1.0", "w": w, "i": info, "a": "1.0"})
+        self.line.applied()
+        reply.errback(ConnectionError("the reply timed out"))
+        self.failureResultOf(waiter, Unavailable)
+        self.line.applied()  # a claim walks the copy, the waiter still in it
+        self.line.apply({"op": "leave", "t": "1.1", "w": w})
+        self.line.applied()
+        self.assertEqual(self.kept(), [{}, {}, {}])
+        self.assertEqual((self.line._items, self.line._cancelled), ({}, set()))
+
+    def test_one_whose_join_never_ran(self) -> None:
+        """Redis answers the leave of a waiter it never had 'unknown': nothing waits for it."""
+        self.cluster.line_call = lambda line, script, *args: (  # type: ignore[method-assign]
+            fail(ConnectionError("gone")) if script == "join" else succeed("unknown")
+        )
+        self.failureResultOf(self.line.acquire_in_line(), Unavailable)
+        self.assertEqual(self.line._cancelled, set())

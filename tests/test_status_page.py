@@ -196,6 +196,17 @@ class Pushing(TestCase):
             subscription.addErrback(lambda f: f.trap(CancelledError))
         return request, subscription
 
+    def test_a_stream_whose_first_frame_fails_is_not_kept(self) -> None:
+        """Else it would count against max_status_subscribers for good."""
+
+        def broken() -> Any:
+            raise RuntimeError("a bug")
+
+        self.patch(self.page, "snapshot", broken)
+        with self.assertRaises(RuntimeError):
+            self.page.subscribe(FakeRequest())  # type: ignore[arg-type]
+        self.assertEqual(self.page.subscribers, set())
+
     def test_past_the_cap_one_more_is_refused_at_once_and_the_others_keep_streaming(
         self,
     ) -> None:

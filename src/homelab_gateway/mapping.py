@@ -12,6 +12,7 @@ import base64
 import binascii
 import fnmatch
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,9 @@ CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens 
 # and the block goes if nothing follows; any other text is untouched.
 BILLING_HEADER = "x-anthropic-billing-header"
 PER_ATTEMPT = ("model", "priority")  # fields each attempt sets for the replica it goes to
+# A surrogate left in a decoded JSON string is a lone one (json joins an escaped pair): no
+# UTF-8 can carry it, so a string the answer echoes must not hold one.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class InvalidRequest(Exception):
@@ -111,6 +115,8 @@ def request_model(body: Any) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(f"model: must be a non-empty string, got {_kind(model)}")
+    if LONE_SURROGATE.search(model):
+        raise InvalidRequest("model: holds a lone surrogate escape, which is no character")
     return model
 
 
@@ -505,6 +511,11 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise InvalidRequest("stop_sequences: must be an array of non-empty strings")
+    for i, sequence in enumerate(value):  # one is echoed back as the answer's stop_sequence
+        if LONE_SURROGATE.search(sequence):
+            raise InvalidRequest(
+                f"stop_sequences.{i}: holds a lone surrogate escape, which is no character"
+            )
     return tuple(value)
 
 

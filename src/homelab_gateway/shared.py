@@ -207,14 +207,14 @@ class SharedSemaphore(PositionedSemaphore):
         return d
 
     def _not_asked(self, failure: Failure, w: str) -> None:
-        """The join never reached Redis: the waiter was never in the line."""
-        d = self._local.pop(w, None)
-        self._requests.pop(w, None)
-        if d is not None:
-            self._ids.pop(d, None)
-            if not d.called:
-                reason = failure.getErrorMessage()
-                d.errback(Unavailable(f"the shared line is unreachable: {reason}"))
+        """The join's reply never came: Redis may have run it (its event may even be replayed
+        already) or not. The waiter leaves either way, as one that gives up does, and hears
+        why."""
+        d = self._local.get(w)
+        self._give_up(w)
+        if d is not None and not d.called:
+            reason = failure.getErrorMessage()
+            d.errback(Unavailable(f"the shared line is unreachable: {reason}"))
 
     def _ranked(self, candidates: list[Replica], session: str | None) -> list[Replica]:
         """`candidates` best first: the one `replicas.choose` takes, then the most free."""
@@ -245,7 +245,12 @@ class SharedSemaphore(PositionedSemaphore):
         self._requests.pop(w, None)
         if d is not None and self._items.get(w) is not d:
             self._ids.pop(d, None)
-        self.cluster.line_call(self, "leave", w).addErrback(_ignore)
+        self.cluster.line_call(self, "leave", w).addCallbacks(self._left, _ignore, (w,))
+
+    def _left(self, result: object, w: str) -> None:
+        """Redis never had `w` (its join did not run): no leave event will forget it."""
+        if result == "unknown":
+            self._cancelled.discard(w)
 
     def _released(self, slot: Slot) -> None:
         self._mine.pop(slot.id, None)

@@ -197,13 +197,13 @@ class StatusPage:
             if request.channel is not None:
                 request.channel.persistent = False
             return send_error(request, refusal, anthropic=False)
+        frame, active = self._frame()  # first: if it fails, nothing is kept for the stream
         request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")  # nginx: do not buffer SSE
         subscriber = _Subscriber(request, self, self.stall_timeout)
         request.registerProducer(subscriber, True)
         self.subscribers.add(subscriber)
-        frame, active = self._frame()
         subscriber.send(frame)
         if self._timer is None:
             self._schedule(self.live_interval if active else self.heartbeat)

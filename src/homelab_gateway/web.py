@@ -14,16 +14,17 @@ from klein import Klein
 from klein.interfaces import IKleinRequest
 from prometheus_client.twisted import MetricsResource
 from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
-from werkzeug.exceptions import NotFound
+from werkzeug.exceptions import HTTPException, NotFound
 
 from homelab_gateway.access import AccessPolicy
 from homelab_gateway.cluster import Cluster
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.errors import GatewayError
+from homelab_gateway.errors import GatewayError, internal_error
 from homelab_gateway.inflight import InFlight
 from homelab_gateway.llm import Messages
 from homelab_gateway.mapping import find_model
@@ -34,6 +35,7 @@ from homelab_gateway.respond import send_error, send_json
 from homelab_gateway.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
 from homelab_gateway.telemetry import RequestRecord, Telemetry
 
+log = Logger()
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"
 
 
@@ -321,6 +323,17 @@ class GatewayApp:
         anthropic = request.path.startswith(b"/llm/")
         error = GatewayError(404, "no route for this path")
         return send_error(request, error, anthropic=anthropic)
+
+    @app.handle_errors(Exception)
+    def unexpected(self, request: IRequest, failure: Failure) -> bytes:
+        """An exception no route expected, in a route that answers at once (the models, the
+        status): one traceback and a 500 in the path's shape, never twisted.web's HTML page.
+        (`InFlight` answers those of the routes that reach an upstream.)"""
+        if failure.check(HTTPException):
+            failure.raiseException()  # werkzeug's routing answers stay Klein's to give
+        log.failure("Unhandled error answering {path}", failure, path=request.path)
+        anthropic = request.path.startswith(b"/llm/")
+        return send_error(request, internal_error(), anthropic=anthropic)
 
 
 class AnsweredByItsFlight(Resource):
