@@ -72,21 +72,20 @@ class Queue(LLMSurface):
         """A waiter keeps its upstream body as JSON bytes, not the parsed tree: one-character
         messages, the costliest body per byte, cost 6-8 times their size as a tree
         (`python -m bench.waiters --messages N` measures it at scale)."""
+        first = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
+        await first.closed  # a whole life, every module it imports, before the one measured
         busy = self.fill(2)
         await wait_for(lambda: self.slots.in_use == 2, what="slots to fill")
         history = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(20_000)]
         body = json.dumps(chat(messages=[*history, {"role": "user", "content": "hi"}])).encode()
         gc.collect()
-        tracemalloc.start(25)
+        tracemalloc.start()
         self.addCleanup(tracemalloc.stop)
         queued = raw_request(self.port, "POST", "/llm/v1/messages", body)
         await queued.until_text("event: queue")
         gc.collect()
         held = tracemalloc.take_snapshot().filter_traces(
-            [
-                tracemalloc.Filter(False, helpers.__file__),  # the client's copy of its request
-                tracemalloc.Filter(False, "<frozen importlib.*", all_frames=True),  # first use
-            ]
+            [tracemalloc.Filter(False, helpers.__file__)]  # the client's copy of its request
         )
         tracemalloc.stop()
         size, kept = len(body), sum(stat.size for stat in held.statistics("filename"))

@@ -46,7 +46,7 @@ def makeService(options: Options) -> IService:
     from homelab_gateway.service import DemoService, GatewayService, json_log_stream
 
     if options["demo"]:
-        from homelab_gateway.demo import demo_setup
+        from homelab_gateway.dev.demo import demo_setup
 
         return DemoService(reactor, options["listen"] or DEFAULT_LISTEN, demo_setup)
     try:

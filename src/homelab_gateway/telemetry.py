@@ -18,7 +18,6 @@ import functools
 import ipaddress
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,10 +26,11 @@ from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from homelab_gateway.replicas import UP
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.replicas import UP
 
 if TYPE_CHECKING:
-    from homelab_gateway.llm import Pool
+    from homelab_gateway.line.pool import Pool
 
 WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
@@ -52,31 +52,6 @@ def client_label(client: str) -> str:
     except ValueError:
         return client or ANONYMOUS_LABEL
     return ANONYMOUS_LABEL
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    request_id: str
-    surface: str  # messages | count_tokens | proxy
-    started: float
-    method: str = ""
-    path: str = ""
-    model: str = ""  # as the client asked: logged (capped), never a label
-    served_model: str | None = None  # the configured model that took the request: the label
-    upstream: str = ""
-    stream: bool = False
-    queue_wait: float | None = None
-    first_token: float | None = None  # seconds from the upstream request to the first token
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    stop_reason: str | None = None
-    outcome: str | None = None  # None until known; "completed" if nothing else was said
-    status: int | None = None
-    upstream_cancelled: bool = False
-    client: str = ""  # the key's name, or the peer address without keys; never a key
-    priority: str = "normal"  # the class asked for (client's class, lowered by x-priority)
-    served_as: str | None = None  # the class the slot was granted as (aging included)
-    slot_seconds: float | None = None  # how long this request held its slot
 
 
 class _SlotCollector(Collector):

@@ -26,8 +26,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
-from homelab_gateway.errors import GatewayError
-from homelab_gateway.respond import new_request_id, send_error
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.web.respond import new_request_id, send_error
 from homelab_gateway.sending import TOGETHER, SendsAtOnce
 
 # Reason phrases twisted.web lacks ("Unknown Status") or has from an older RFC. 529 is not

@@ -32,11 +32,11 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTim
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from homelab_gateway import snapshot
-from homelab_gateway.errors import GatewayError
-from homelab_gateway.pool import Pool
-from homelab_gateway.respond import send_error
-from homelab_gateway.sse import encode_event
+from homelab_gateway.core import snapshot
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.line.pool import Pool
+from homelab_gateway.web.respond import send_error
+from homelab_gateway.core.sse import encode_event
 from homelab_gateway.telemetry import Telemetry
 
 MIN_INTERVAL = 0.3  # at most ~3 frames a second
@@ -73,7 +73,7 @@ VERSION = _version()
 def send_asset(request: IRequest, name: str) -> bytes:
     """Answer with one of the page's files, read from the installed package. They hold no
     data, so they need no key: the event stream does."""
-    body = resources.files("homelab_gateway").joinpath("static", name).read_bytes()
+    body = resources.files("homelab_gateway.web").joinpath("static", name).read_bytes()
     request.setHeader(b"content-type", CONTENT_TYPES[name.rpartition(".")[2]])
     request.setHeader(b"cache-control", b"no-cache")
     request.setHeader(b"content-security-policy", CONTENT_SECURITY_POLICY)

@@ -28,11 +28,11 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from homelab_gateway.config import ClusterConfig
-from homelab_gateway.limiter import Unavailable
-from homelab_gateway.scripts import SHAS, SOURCES
+from homelab_gateway.line.limiter import Unavailable
+from homelab_gateway.line.scripts import SHAS, SOURCES
 
 if TYPE_CHECKING:
-    from homelab_gateway.shared import SharedSemaphore
+    from homelab_gateway.line.shared import SharedSemaphore
 
 log = Logger()
 STREAM_LENGTH = 100_000

@@ -13,7 +13,7 @@ from typing import Any
 from twisted.web.server import Site
 
 from homelab_gateway.config import Config, parse_config
-from homelab_gateway.stub import StubLog, StubSettings, stub_site
+from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
 
 REASONING_LOG = "/tmp/stub-reasoning.log"
 

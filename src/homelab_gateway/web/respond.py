@@ -8,7 +8,7 @@ from typing import Any
 
 from twisted.web.iweb import IRequest
 
-from homelab_gateway.errors import GatewayError
+from homelab_gateway.core.errors import GatewayError
 
 
 def new_request_id() -> str:

@@ -25,9 +25,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
-from homelab_gateway.errors import internal_error, shutdown_error
-from homelab_gateway.respond import send_error
-from homelab_gateway.telemetry import RequestRecord, Telemetry
+from homelab_gateway.core.errors import internal_error, shutdown_error
+from homelab_gateway.web.respond import send_error
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.telemetry import Telemetry
 
 log = Logger()
 

@@ -746,7 +746,7 @@ def makeService(options: Options) -> IService:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`homelab-stub` / `python -m homelab_gateway.stub`: the stub in the foreground."""
+    """`homelab-stub` / `python -m homelab_gateway.dev.stub`: the stub in the foreground."""
     from twisted.scripts.twistd import run
 
     sys.argv = [

@@ -22,7 +22,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.errors import (
+from homelab_gateway.core.errors import (
     RETRIED_STATUSES,
     ContextOverflow,
     GatewayError,
@@ -31,8 +31,8 @@ from homelab_gateway.errors import (
     shutdown_error,
     upstream_http_error,
 )
-from homelab_gateway.limiter import PositionListener, Replica, Slot
-from homelab_gateway.mapping import (
+from homelab_gateway.line.limiter import PositionListener, Replica, Slot
+from homelab_gateway.core.mapping import (
     InvalidRequest,
     MappedRequest,
     PackedRequest,
@@ -41,12 +41,12 @@ from homelab_gateway.mapping import (
     request_model,
     tokenize_request,
 )
-from homelab_gateway.pool import Pool, hold_slot
-from homelab_gateway.replicas import DOWN, UP, session_key
-from homelab_gateway.respond import send_error, send_json
-from homelab_gateway.sse import encode_event
-from homelab_gateway.telemetry import RequestRecord
-from homelab_gateway.translator import (
+from homelab_gateway.line.pool import Pool, hold_slot
+from homelab_gateway.core.replicas import DOWN, UP, session_key
+from homelab_gateway.web.respond import send_error, send_json
+from homelab_gateway.core.sse import encode_event
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.translator import (
     Event,
     IncompleteMessage,
     MessageBuilder,
@@ -55,7 +55,7 @@ from homelab_gateway.translator import (
     UpstreamDecoder,
     error_event,
 )
-from homelab_gateway.upstream import AnswerComplete, Backpressure, UpstreamBroken
+from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
 
 log = Logger()
 TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024

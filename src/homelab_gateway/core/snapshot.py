@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from homelab_gateway.telemetry import RequestRecord
+from homelab_gateway.core.record import RequestRecord
 
 TOP_CLIENTS = 8
 MAX_ROWS = 100

@@ -41,8 +41,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IRequest, IResponse
 from zope.interface import implementer
 
-from homelab_gateway.chunks import ChunkedBody
-from homelab_gateway.errors import GatewayError
+from homelab_gateway.core.chunks import ChunkedBody
+from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.sending import TOGETHER, reactor_for_upstreams
 
 ERROR_BODY_LIMIT = 64 * 1024

@@ -33,8 +33,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from homelab_gateway.cluster import Cluster
-from homelab_gateway.limiter import (
+from homelab_gateway.line.cluster import Cluster
+from homelab_gateway.line.limiter import (
     ANONYMOUS,
     NORMAL,
     PositionedSemaphore,
@@ -44,8 +44,8 @@ from homelab_gateway.limiter import (
     Unavailable,
     _Want,
 )
-from homelab_gateway.line import Grant, Line
-from homelab_gateway.replicas import UP, choose
+from homelab_gateway.core.line import Grant, Line
+from homelab_gateway.core.replicas import UP, choose
 
 log = Logger()
 CLAIM_RETRY = 0.2

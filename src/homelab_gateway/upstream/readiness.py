@@ -19,11 +19,11 @@ from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.errors import GatewayError
-from homelab_gateway.replicas import DOWN
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.replicas import DOWN
 
 if TYPE_CHECKING:
-    from homelab_gateway.llm import Pool
+    from homelab_gateway.surfaces.messages import Pool
 
 MODELS_BODY_LIMIT = 256 * 1024  # Ollama lists every pulled model
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from homelab_gateway.translator import error_event, replace_lone_surrogates
+from homelab_gateway.core.translator import error_event, replace_lone_surrogates
 
 ERROR_TYPES = {
     400: "invalid_request_error",

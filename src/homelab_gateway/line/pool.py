@@ -10,8 +10,8 @@ from twisted.internet.defer import CancelledError, DeferredSemaphore
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
 
-from homelab_gateway.errors import GatewayError
-from homelab_gateway.limiter import (
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.line.limiter import (
     ClientQueueFull,
     PositionedSemaphore,
     PositionListener,
@@ -20,10 +20,10 @@ from homelab_gateway.limiter import (
     Slot,
     Unavailable,
 )
-from homelab_gateway.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
-from homelab_gateway.replicas import UP
-from homelab_gateway.telemetry import RequestRecord
-from homelab_gateway.upstream import Upstream
+from homelab_gateway.core.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
+from homelab_gateway.core.replicas import UP
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.upstream.client import Upstream
 
 QUEUE_FULL_RETRY_AFTER = 5
 # vLLM's `priority` request field: lower is served earlier, 0 is its default (and what requests

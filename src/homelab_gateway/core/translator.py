@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from homelab_gateway.sse import EventTooLarge, SSEParser
+from homelab_gateway.core.sse import EventTooLarge, SSEParser
 
 Event = dict[str, Any]
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.config import ClientConfig, auth_key_name
-from homelab_gateway.errors import GatewayError
-from homelab_gateway.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
 
 PREFLIGHT_MAX_AGE = b"600"
 EXPOSED_HEADERS = b"request-id, retry-after"

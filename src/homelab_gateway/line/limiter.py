@@ -46,9 +46,9 @@ from typing import Any
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from homelab_gateway.estimate import HoldTimes, Waits
-from homelab_gateway.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
-from homelab_gateway.replicas import DOWN, UP, Circuit, Sessions, choose
+from homelab_gateway.core.estimate import HoldTimes, Waits
+from homelab_gateway.core.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
+from homelab_gateway.core.replicas import DOWN, UP, Circuit, Sessions, choose
 
 PositionListener = Callable[[int], None]
 HealthListener = Callable[["Replica", str, "str | None"], None]  # replica, new state, reason

@@ -1,0 +1,2 @@
+"""For development and the demo: the vLLM-faithful stub upstream.
+"""

@@ -1,0 +1,2 @@
+"""The client side of an upstream: requests, streamed bodies, connections, probes.
+"""
