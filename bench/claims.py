@@ -29,8 +29,8 @@ from collections.abc import Callable
 import orjson
 from twisted.internet.task import Clock
 
-from homelab_gateway.limiter import Replica
-from homelab_gateway.shared import SharedSemaphore
+from homelab_gateway.line.limiter import Replica
+from homelab_gateway.line.shared import SharedSemaphore
 from tests.helpers import FakeCluster
 
 

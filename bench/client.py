@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from homelab_gateway.sse import SSEParser
+from homelab_gateway.core.sse import SSEParser
 
 
 @dataclass

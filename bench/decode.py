@@ -25,8 +25,8 @@ from typing import Any
 
 import orjson
 
-from homelab_gateway.llm import EventStream
-from homelab_gateway.translator import StreamTranslator, UpstreamDecoder
+from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
+from homelab_gateway.surfaces.messages import EventStream
 
 WORDS = ["The ", "quick ", "brown ", "fox ", "jumps ", "über ", "the ", "lazy ", "dog", ".\n"]
 

@@ -35,10 +35,10 @@ from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.python.failure import Failure
 
 from bench.__main__ import upstream_body
-from homelab_gateway.channel import send_at_once
 from homelab_gateway.config import parse_config
+from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
 from homelab_gateway.service import Gateway
-from homelab_gateway.stub import StubLog, StubSettings, stub_site
+from homelab_gateway.web.channel import send_at_once
 
 
 class _Exchange(Protocol):

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from homelab_gateway.line import CLASSES, Line
+from homelab_gateway.core.line import CLASSES, Line
 
 DEFAULT_AGING = 120.0
 

@@ -198,9 +198,9 @@ def measure(n: int, top: int, padding: int, messages: int) -> None:
     from twisted.internet.defer import Deferred, ensureDeferred
 
     from homelab_gateway.config import parse_config
+    from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
     from homelab_gateway.heap import settle_heap
     from homelab_gateway.service import Gateway
-    from homelab_gateway.stub import StubLog, StubSettings, stub_site
 
     settings = StubSettings(reasoning_tokens=0, content_tokens=STUB_TOKENS)
     stub = reactor.listenTCP(0, stub_site(settings, reactor, StubLog(None)), interface="127.0.0.1")

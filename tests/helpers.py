@@ -21,10 +21,10 @@ from twisted.logger import globalLogPublisher
 from twisted.protocols.policies import WrappingFactory
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.channel import send_at_once
 from homelab_gateway.config import Config, parse_config
+from homelab_gateway.dev.stub import StubLog, StubResource, StubSettings, stub_site
 from homelab_gateway.service import Gateway
-from homelab_gateway.stub import StubLog, StubResource, StubSettings, stub_site
+from homelab_gateway.web.channel import send_at_once
 
 
 class SoonerResetClock(Clock):

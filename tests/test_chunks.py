@@ -23,11 +23,11 @@ from twisted.web.client import Agent, BrowserLikePolicyForHTTPS
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from homelab_gateway.chunks import ChunkedBody, MalformedChunks
-from homelab_gateway.connections import UpstreamPool
-from homelab_gateway.sse import encode_event
-from homelab_gateway.translator import StreamTranslator, UpstreamDecoder
-from homelab_gateway.upstream import Upstream, WholeReads, llm_http
+from homelab_gateway.core.chunks import ChunkedBody, MalformedChunks
+from homelab_gateway.core.sse import encode_event
+from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
+from homelab_gateway.upstream.client import Upstream, WholeReads, llm_http
+from homelab_gateway.upstream.connections import UpstreamPool
 from tests.helpers import Servers
 
 

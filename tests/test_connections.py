@@ -9,7 +9,7 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.connections import UpstreamPool
+from homelab_gateway.upstream.connections import UpstreamPool
 
 KEY = ("http", b"127.0.0.1", 8000)
 

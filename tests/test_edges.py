@@ -18,8 +18,8 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyChannel
 
-from homelab_gateway.channel import GatewayRequest, GatewaySite, WireLimits
 from homelab_gateway.telemetry import loggable
+from homelab_gateway.web.channel import GatewayRequest, GatewaySite, WireLimits
 from tests.helpers import (
     RawResponse,
     capture_request_log,

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from homelab_gateway.estimate import MINIMUM_HISTORY, HoldTimes, Waits
-from homelab_gateway.limiter import PositionedSemaphore, Slot
+from homelab_gateway.core.estimate import MINIMUM_HISTORY, HoldTimes, Waits
+from homelab_gateway.line.limiter import PositionedSemaphore, Slot
 
 
 def test_no_estimate_until_enough_holds_then_the_recent_mean() -> None:

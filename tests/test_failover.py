@@ -14,8 +14,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from homelab_gateway.config import parse_config
-from homelab_gateway.errors import GatewayError
-from homelab_gateway.stub import StubResource
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.dev.stub import StubResource
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, raw_request, wait_for
 from tests.test_proxy import async_test

@@ -15,7 +15,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
 from homelab_gateway.config import parse_config
-from homelab_gateway.stub import StubLog, StubSettings, stub_site
+from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 from tests.test_proxy import EchoHeaders, async_test

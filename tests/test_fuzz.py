@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.mapping import InvalidRequest, map_request
+from homelab_gateway.core.mapping import InvalidRequest, map_request
 from tests.grammar import check_stream
 from tests.processes import one_upstream_config, start_gateway, start_stub
 

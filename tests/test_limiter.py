@@ -8,9 +8,9 @@ from twisted.internet.defer import CancelledError, DeferredSemaphore
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway import line as line_module
-from homelab_gateway.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
-from homelab_gateway.line import CLASS_RANK
+from homelab_gateway.core import line as line_module
+from homelab_gateway.core.line import CLASS_RANK
+from homelab_gateway.line.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
 from tests.helpers import SoonerResetClock
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))

@@ -14,9 +14,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway import line as line_module
-from homelab_gateway.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
-from homelab_gateway.line import CLASS_RANK, Line, Waiter, _crossing, effective_rank
+from homelab_gateway.core import line as line_module
+from homelab_gateway.core.line import CLASS_RANK, Line, Waiter, _crossing, effective_rank
+from homelab_gateway.line.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
 INTERVAL = 0.4

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.line import CLASSES, Line, Waiter, _crossing, effective_rank
+from homelab_gateway.core.line import CLASSES, Line, Waiter, _crossing, effective_rank
 
 
 def walked_head(line: Line[Any], now: float) -> Waiter[Any] | None:

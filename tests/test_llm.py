@@ -16,10 +16,10 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from homelab_gateway.channel import GatewaySite, WireLimits, send_at_once
-from homelab_gateway.connections import UpstreamPool
-from homelab_gateway.respond import send_json
-from homelab_gateway.translator import UpstreamDecoder
+from homelab_gateway.core.translator import UpstreamDecoder
+from homelab_gateway.upstream.connections import UpstreamPool
+from homelab_gateway.web.channel import GatewaySite, WireLimits, send_at_once
+from homelab_gateway.web.respond import send_json
 from tests.grammar import check_stream
 from tests.helpers import (
     PROMPTLY,

@@ -13,7 +13,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
-from homelab_gateway.access import AccessPolicy
+from homelab_gateway.web.access import AccessPolicy
 from tests.grammar import check_stream
 from tests.helpers import (
     Servers,

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from homelab_gateway.errors import ContextOverflow, context_overflow
+from homelab_gateway.core.errors import ContextOverflow, context_overflow
 
 # What Claude Code matches in an API error's message to size its recovery.
 CLAUDE_CODE_PROMPT = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")

@@ -18,10 +18,10 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from homelab_gateway.limiter import PositionedSemaphore, Replica
-from homelab_gateway.pool import TOKENIZE_CONCURRENCY, Pool
-from homelab_gateway.proxy import escapes_prefix, forward_headers, response_headers
-from homelab_gateway.upstream import LINGER_AFTER_END, AnswerComplete, Upstream
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica
+from homelab_gateway.line.pool import TOKENIZE_CONCURRENCY, Pool
+from homelab_gateway.surfaces.proxy import escapes_prefix, forward_headers, response_headers
+from homelab_gateway.upstream.client import LINGER_AFTER_END, AnswerComplete, Upstream
 from tests.grammar import check_stream
 from tests.helpers import (
     PROMPTLY,

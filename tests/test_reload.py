@@ -8,7 +8,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from homelab_gateway.config import Config, parse_config
-from homelab_gateway.reload import config_changes
+from homelab_gateway.core.reload import config_changes
 from tests.helpers import chat, gateway_document, raw_request, wait_for
 from tests.test_llm import LLMSurface
 from tests.test_proxy import async_test

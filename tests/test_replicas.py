@@ -11,8 +11,16 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from homelab_gateway.limiter import PositionedSemaphore, Replica, Slot
-from homelab_gateway.replicas import DOWN, HALF_OPEN, UP, Circuit, Sessions, choose, session_key
+from homelab_gateway.core.replicas import (
+    DOWN,
+    HALF_OPEN,
+    UP,
+    Circuit,
+    Sessions,
+    choose,
+    session_key,
+)
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot
 
 
 class CircuitStates(SynchronousTestCase):

@@ -18,10 +18,10 @@ from twisted.web.client import Agent
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from homelab_gateway.channel import GatewaySite, SendAtOnce, WireLimits, send_at_once
-from homelab_gateway.connections import UpstreamPool
 from homelab_gateway.sending import TOGETHER, UpstreamTransport, reactor_for_upstreams
-from homelab_gateway.upstream import EndpointPerHost, Upstream, llm_http
+from homelab_gateway.upstream.client import EndpointPerHost, Upstream, llm_http
+from homelab_gateway.upstream.connections import UpstreamPool
+from homelab_gateway.web.channel import GatewaySite, SendAtOnce, WireLimits, send_at_once
 from tests.helpers import wait_for
 
 

@@ -15,8 +15,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.limiter import Replica, Unavailable
-from homelab_gateway.shared import SharedSemaphore, _preferences
+from homelab_gateway.line.limiter import Replica, Unavailable
+from homelab_gateway.line.shared import SharedSemaphore, _preferences
 from tests.helpers import FakeCluster
 
 

@@ -15,11 +15,11 @@ from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.cluster import BACKOFF, SETTLE, Cluster
 from homelab_gateway.config import ClusterConfig
-from homelab_gateway.limiter import PositionedSemaphore, Replica, Slot, Unavailable
-from homelab_gateway.line import CLASS_RANK
-from homelab_gateway.shared import SharedSemaphore
+from homelab_gateway.core.line import CLASS_RANK
+from homelab_gateway.line.cluster import BACKOFF, SETTLE, Cluster
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot, Unavailable
+from homelab_gateway.line.shared import SharedSemaphore
 from tests.helpers import PATIENCE, PROMPTLY, wait_for
 from tests.redis_server import RedisServer
 from tests.test_proxy import async_test

@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from homelab_gateway import snapshot
-from homelab_gateway.telemetry import RequestRecord
+from homelab_gateway.core import snapshot
+from homelab_gateway.core.record import RequestRecord
 
 
 def record(request_id: str = "req_1", started: float = 100.0, **fields: Any) -> RequestRecord:

@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from homelab_gateway.sse import (
+from homelab_gateway.core.sse import (
     MAX_EVENT_BYTES,
     EventTooLarge,
     ServerSentEvent,
@@ -114,7 +114,7 @@ def test_garbage_never_raises_and_splitting_changes_nothing(
 
 
 def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
-    from homelab_gateway.llm import QUEUE_FRAME
+    from homelab_gateway.surfaces.messages import QUEUE_FRAME
 
     for position in (1, 7, 12345):
         assert QUEUE_FRAME % position == encode_event({"type": "queue", "position": position})
@@ -124,7 +124,7 @@ def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
 def test_the_estimated_queue_frame_template_is_what_encode_event_writes(
     position: int, estimate: float
 ) -> None:
-    from homelab_gateway.llm import ESTIMATED_QUEUE_FRAME
+    from homelab_gateway.surfaces.messages import ESTIMATED_QUEUE_FRAME
 
     frame = {"type": "queue", "position": position, "estimated_wait_s": round(estimate, 1)}
     assert ESTIMATED_QUEUE_FRAME % (position, estimate) == encode_event(frame)
@@ -223,7 +223,7 @@ def test_the_limit_fails_the_same_wherever_the_stream_is_split(
 
 
 def test_an_overlong_upstream_line_fails_the_stream_with_an_error_event() -> None:
-    from homelab_gateway.translator import StreamTranslator, UpstreamDecoder
+    from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 
     decoder = UpstreamDecoder(StreamTranslator(model="m", input_tokens=1))
     first = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'

@@ -13,8 +13,9 @@ from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.limiter import PositionedSemaphore
-from homelab_gateway.statuspage import (
+from homelab_gateway.line.limiter import PositionedSemaphore
+from homelab_gateway.telemetry import Telemetry
+from homelab_gateway.web.statuspage import (
     FULL_RETRY_AFTER,
     HEARTBEAT,
     LIVE_INTERVAL,
@@ -23,7 +24,6 @@ from homelab_gateway.statuspage import (
     STALL_TIMEOUT,
     StatusPage,
 )
-from homelab_gateway.telemetry import Telemetry
 from tests.helpers import (
     PROMPTLY,
     RawResponse,

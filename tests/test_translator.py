@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from homelab_gateway.errors import upstream_message
-from homelab_gateway.sse import encode_event
-from homelab_gateway.translator import (
+from homelab_gateway.core.errors import upstream_message
+from homelab_gateway.core.sse import encode_event
+from homelab_gateway.core.translator import (
     PLAIN_EVENT,
     IncompleteMessage,
     MessageBuilder,

@@ -202,7 +202,7 @@ def test_the_plugin_module_does_not_import_the_reactor() -> None:
 
 
 def test_stub_runs_as_a_module_and_lists_its_scenarios() -> None:
-    result = run_to_end([sys.executable, "-m", "homelab_gateway.stub", "--help"])
+    result = run_to_end([sys.executable, "-m", "homelab_gateway.dev.stub", "--help"])
     assert result.returncode == 0, result.stderr
     assert "reasoning-only" in result.stdout and "--hold" in result.stdout
 

@@ -14,7 +14,7 @@ from twisted.web.client import URI
 from twisted.web.error import SchemeNotSupported
 from twisted.web.http_headers import Headers
 
-from homelab_gateway.upstream import EndpointPerHost, llm_http
+from homelab_gateway.upstream.client import EndpointPerHost, llm_http
 
 
 class RecordingAgent:

@@ -28,9 +28,6 @@ from twisted.logger import ILogObserver, Logger, jsonFileLogObserver
 from twisted.python.failure import Failure
 from twisted.web.client import Agent
 
-from homelab_gateway.web.access import AccessPolicy
-from homelab_gateway.web.channel import GatewaySite, WireLimits, send_at_once
-from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.config import (
     Config,
     ConfigError,
@@ -39,21 +36,24 @@ from homelab_gateway.config import (
     load_config,
     with_backlog,
 )
-from homelab_gateway.upstream.connections import UpstreamPool
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.heap import settle_heap
-from homelab_gateway.web.inflight import InFlight
-from homelab_gateway.line.limiter import PositionedSemaphore, Replica
-from homelab_gateway.surfaces.messages import Messages
-from homelab_gateway.line.pool import Pool
-from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
-from homelab_gateway.upstream.readiness import Probe, Readiness
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.core.replicas import DOWN
+from homelab_gateway.heap import settle_heap
+from homelab_gateway.line.cluster import Cluster
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica
+from homelab_gateway.line.pool import Pool
 from homelab_gateway.line.shared import SharedSemaphore
+from homelab_gateway.surfaces.messages import Messages
+from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.client import EndpointPerHost, RawHTTP, Upstream, llm_http
+from homelab_gateway.upstream.connections import UpstreamPool
+from homelab_gateway.upstream.readiness import Probe, Readiness
+from homelab_gateway.web.access import AccessPolicy
 from homelab_gateway.web.app import GatewayApp
+from homelab_gateway.web.channel import GatewaySite, WireLimits, send_at_once
+from homelab_gateway.web.inflight import InFlight
 
 log = Logger()
 # After the grace period and the last answer: how long a client that stopped reading may keep

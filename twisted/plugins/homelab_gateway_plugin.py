@@ -12,7 +12,7 @@ gateway = ServiceMaker(
 
 stub = ServiceMaker(
     "homelab-stub",
-    "homelab_gateway.stub",
+    "homelab_gateway.dev.stub",
     "A vLLM-faithful stub upstream for demos, tests and benchmarks",
     "homelab-stub",
 )

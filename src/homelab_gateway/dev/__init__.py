@@ -1,2 +1,1 @@
-"""For development and the demo: the vLLM-faithful stub upstream.
-"""
+"""For development and the demo: the vLLM-faithful stub upstream."""

@@ -1,2 +1,1 @@
-"""The line's Twisted side: slots and their waiters in process, or shared through Redis.
-"""
+"""The line's Twisted side: slots and their waiters in process, or shared through Redis."""

@@ -11,6 +11,9 @@ from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.interfaces import IReactorTime
 
 from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.replicas import UP
 from homelab_gateway.line.limiter import (
     ClientQueueFull,
     PositionedSemaphore,
@@ -20,9 +23,6 @@ from homelab_gateway.line.limiter import (
     Slot,
     Unavailable,
 )
-from homelab_gateway.core.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
-from homelab_gateway.core.replicas import UP
-from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.upstream.client import Upstream
 
 QUEUE_FULL_RETRY_AFTER = 5

@@ -33,6 +33,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from homelab_gateway.core.line import Grant, Line
+from homelab_gateway.core.replicas import UP, choose
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import (
     ANONYMOUS,
@@ -44,8 +46,6 @@ from homelab_gateway.line.limiter import (
     Unavailable,
     _Want,
 )
-from homelab_gateway.core.line import Grant, Line
-from homelab_gateway.core.replicas import UP, choose
 
 log = Logger()
 CLAIM_RETRY = 0.2

@@ -1,2 +1,1 @@
-"""What clients speak to the gateway: the Anthropic Messages API and plain proxy routes.
-"""
+"""What clients speak to the gateway: the Anthropic Messages API and plain proxy routes."""

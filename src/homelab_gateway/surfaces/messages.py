@@ -31,7 +31,6 @@ from homelab_gateway.core.errors import (
     shutdown_error,
     upstream_http_error,
 )
-from homelab_gateway.line.limiter import PositionListener, Replica, Slot
 from homelab_gateway.core.mapping import (
     InvalidRequest,
     MappedRequest,
@@ -41,11 +40,9 @@ from homelab_gateway.core.mapping import (
     request_model,
     tokenize_request,
 )
-from homelab_gateway.line.pool import Pool, hold_slot
-from homelab_gateway.core.replicas import DOWN, UP, session_key
-from homelab_gateway.web.respond import send_error, send_json
-from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.replicas import DOWN, UP, session_key
+from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.translator import (
     Event,
     IncompleteMessage,
@@ -55,7 +52,10 @@ from homelab_gateway.core.translator import (
     UpstreamDecoder,
     error_event,
 )
+from homelab_gateway.line.limiter import PositionListener, Replica, Slot
+from homelab_gateway.line.pool import Pool, hold_slot
 from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
+from homelab_gateway.web.respond import send_error, send_json
 
 log = Logger()
 TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024

@@ -18,10 +18,10 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.core.errors import GatewayError, shutdown_error
-from homelab_gateway.line.pool import Pool
-from homelab_gateway.web.respond import send_error
 from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.line.pool import Pool
 from homelab_gateway.upstream.client import Backpressure, Upstream, UpstreamBroken
+from homelab_gateway.web.respond import send_error
 
 HOP_BY_HOP = frozenset(
     {

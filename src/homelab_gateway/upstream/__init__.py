@@ -1,2 +1,1 @@
-"""The client side of an upstream: requests, streamed bodies, connections, probes.
-"""
+"""The client side of an upstream: requests, streamed bodies, connections, probes."""

@@ -21,20 +21,20 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 from werkzeug.exceptions import HTTPException, NotFound
 
-from homelab_gateway.web.access import AccessPolicy
-from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError, internal_error
-from homelab_gateway.web.inflight import InFlight
-from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.core.mapping import find_model
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.pool import Pool
+from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.proxy import ReverseProxy
+from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.readiness import Readiness
+from homelab_gateway.web.access import AccessPolicy
+from homelab_gateway.web.inflight import InFlight
 from homelab_gateway.web.respond import send_error, send_json
 from homelab_gateway.web.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
-from homelab_gateway.core.record import RequestRecord
-from homelab_gateway.telemetry import Telemetry
 
 log = Logger()
 MODEL_CREATED_AT = "2025-01-01T00:00:00Z"

@@ -27,8 +27,8 @@ from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.web.respond import new_request_id, send_error
 from homelab_gateway.sending import TOGETHER, SendsAtOnce
+from homelab_gateway.web.respond import new_request_id, send_error
 
 # Reason phrases twisted.web lacks ("Unknown Status") or has from an older RFC. 529 is not
 # registered with IANA; "Site Overloaded" is the phrase it is known by.

@@ -26,9 +26,9 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.core.errors import internal_error, shutdown_error
-from homelab_gateway.web.respond import send_error
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.telemetry import Telemetry
+from homelab_gateway.web.respond import send_error
 
 log = Logger()
 

@@ -34,10 +34,10 @@ from zope.interface import implementer
 
 from homelab_gateway.core import snapshot
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.line.pool import Pool
-from homelab_gateway.web.respond import send_error
 from homelab_gateway.core.sse import encode_event
+from homelab_gateway.line.pool import Pool
 from homelab_gateway.telemetry import Telemetry
+from homelab_gateway.web.respond import send_error
 
 MIN_INTERVAL = 0.3  # at most ~3 frames a second
 LIVE_INTERVAL = 1.0
