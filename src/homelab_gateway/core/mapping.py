@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from homelab_gateway.config import ModelConfig
+from homelab_gateway.core.translator import replace_lone_surrogates
 
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -33,7 +34,7 @@ CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens 
 BILLING_HEADER = "x-anthropic-billing-header"
 PER_ATTEMPT = ("model", "priority")  # fields each attempt sets for the replica it goes to
 # A surrogate left in a decoded JSON string is a lone one (json joins an escaped pair): no
-# UTF-8 can carry it, so a string the answer echoes must not hold one.
+# UTF-8 can carry it, so a stop sequence, which the answer may echo, must not hold one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -115,8 +116,6 @@ def request_model(body: Any) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(f"model: must be a non-empty string, got {_kind(model)}")
-    if LONE_SURROGATE.search(model):
-        raise InvalidRequest("model: holds a lone surrogate escape, which is no character")
     return model
 
 
@@ -222,7 +221,7 @@ def map_request(
 
     estimate = _estimate_tokens(messages, out.get("tools"))
     return MappedRequest(
-        model=client_model,
+        model=replace_lone_surrogates(client_model),  # echoed in the answer, which is UTF-8
         stream=stream,
         body=_merge(model.params, out),
         stop_sequences=stop_sequences,
