@@ -67,7 +67,7 @@ token of content or reasoning and nothing else. `UpstreamDecoder` hands each suc
 `StreamTranslator.plain_delta` straight from the bytes, with no SSE parsing, JSON decoding or
 walking of the chunk; anything else (another field, another server's layout, CRLF, a `\\u`
 escape) goes the generic way. The pattern is strict enough that both ways give the same
-events: `tests/test_translator.py` checks that for every event it accepts."""
+events: `tests/core/test_translator.py` checks that for every event it accepts."""
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")

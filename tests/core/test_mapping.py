@@ -413,7 +413,7 @@ def test_estimate_grows_with_the_prompt() -> None:
 def test_a_recorded_claude_code_request_maps() -> None:
     """Claude Code 2.1.197's real request (texts scrubbed): betas, context_management, effort,
     adaptive thinking, a system message inside messages, 24 tools."""
-    fixture = Path(__file__).parent / "fixtures" / "claude_code_2.1.197_request.json"
+    fixture = Path(__file__).parent.parent / "fixtures" / "claude_code_2.1.197_request.json"
     body = json.loads(fixture.read_text())
     model = ModelConfig(
         name="reasoning",
