@@ -12,7 +12,6 @@ import base64
 import binascii
 import fnmatch
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import orjson
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.core.translator import replace_lone_surrogates
+from homelab_gateway.core.translator import LONE_SURROGATE, replace_lone_surrogates
 
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -33,9 +32,6 @@ CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens 
 # and the block goes if nothing follows; any other text is untouched.
 BILLING_HEADER = "x-anthropic-billing-header"
 PER_ATTEMPT = ("model", "priority")  # fields each attempt sets for the replica it goes to
-# A surrogate left in a decoded JSON string is a lone one (json joins an escaped pair): no
-# UTF-8 can carry it, so a stop sequence, which the answer may echo, must not hold one.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class InvalidRequest(Exception):

@@ -70,7 +70,9 @@ escape) goes the generic way. The pattern is strict enough that both ways give t
 events: `tests/core/test_translator.py` checks that for every event it accepts."""
 
 
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
+LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+"""A surrogate left in a decoded JSON string is a lone one (json joins an escaped pair): no
+UTF-8 can carry it."""
 
 # The delta type of each kind of block, and the field its text goes in.
 _DELTAS = {
@@ -83,7 +85,7 @@ _DELTAS = {
 def replace_lone_surrogates(text: str) -> str:
     """`text` with each lone UTF-16 surrogate as U+FFFD and each pair as its character: JSON's
     `\\u` escapes can spell either, and UTF-8 (every event, every answer body) has neither."""
-    if _SURROGATE.search(text) is None:
+    if LONE_SURROGATE.search(text) is None:
         return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
@@ -308,7 +310,7 @@ class StreamTranslator:
         escape, in two chunks: a high surrogate ending one text is held back and joined to the
         block's next one (or sent as U+FFFD when the block closes without it).
         """
-        if not self._held and _SURROGATE.search(text) is None:
+        if not self._held and LONE_SURROGATE.search(text) is None:
             return text
         text = self._held.pop(key, "") + text
         if text and "\ud800" <= text[-1] <= "\udbff":
@@ -439,11 +441,13 @@ def _loads_lone_surrogates(data: str) -> Any:
     """JSON that orjson refuses, decoded by the standard library, which takes a lone surrogate
     escape (half an emoji a JS server split across chunks: the translator joins the halves).
     It also takes NaN and Infinity, which are not JSON, so those stay refused."""
-    return json.loads(data, parse_constant=_not_json)
+    return json.loads(data, parse_constant=refuse_constant)
 
 
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
+def refuse_constant(name: str) -> Any:
+    """For `json.loads(parse_constant=...)`: NaN and Infinity are not JSON, though Python's
+    json takes them (and would write them on, to an upstream or a client)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class IncompleteMessage(Exception):

@@ -51,6 +51,7 @@ from homelab_gateway.core.translator import (
     StreamTranslator,
     UpstreamDecoder,
     error_event,
+    refuse_constant,
 )
 from homelab_gateway.line.limiter import PositionListener, Replica, Slot
 from homelab_gateway.line.pool import Pool, hold_slot
@@ -162,11 +163,6 @@ class EventStream:
 
 class _TranslationOver(Exception):
     """The translator failed the stream: stop reading the upstream and close it at once."""
-
-
-def _no_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON; Python accepts them, and would send them upstream."""
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def _finite_float(text: str) -> float:
@@ -310,7 +306,7 @@ class Messages:
         raw = request.content.read()
         request.content.close()
         try:
-            body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+            body = json.loads(raw, parse_constant=refuse_constant, parse_float=_finite_float)
             name = request_model(body)
             record.model = name
             model = find_model(self.models, name)
