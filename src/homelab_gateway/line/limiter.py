@@ -315,10 +315,16 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _check_room(self, client: str) -> None:
         """Raise QueueFull (ClientQueueFull) if the line (the client's share of it) is full."""
-        if self.queue_limit is not None and len(self.waiting) >= self.queue_limit:
+        self.check_room(client, len(self.waiting), self.line.waiting_for(client))
+
+    def check_room(self, client: str, waiting: int, client_waiting: int) -> None:
+        """Raise QueueFull (ClientQueueFull) if `waiting` waiters, `client_waiting` of them
+        `client`'s, are as many as this line lets wait: for its own waiters, and for those of
+        any other wait it bounds the same way (a count waiting for a tokenizer place)."""
+        if self.queue_limit is not None and waiting >= self.queue_limit:
             raise QueueFull()
         limit = self.max_waiting.get(client)
-        if limit is not None and self.line.waiting_for(client) >= limit:
+        if limit is not None and client_waiting >= limit:
             raise ClientQueueFull(client, limit)
 
     def _open_for(self, want: _Want | None, now: float) -> list[Replica]:

@@ -83,12 +83,11 @@ class Pool:
         None (the caller then answers with its estimate): at once when as many counts wait as
         the line lets requests wait (its queue_limit, the client's max_waiting), else after
         waiting `connect_timeout`. The caller releases."""
-        tokenizer, line = self.tokenizer, self.slots
+        tokenizer = self.tokenizer
         if not tokenizer.tokens:
-            limit = line.max_waiting.get(client)
-            if line.queue_limit is not None and len(tokenizer.waiting) >= line.queue_limit:
-                return None
-            if limit is not None and self.counting[client] >= limit:
+            try:
+                self.slots.check_room(client, len(tokenizer.waiting), self.counting[client])
+            except QueueFull:
                 return None
         d = tokenizer.acquire()
         d.addTimeout(self.upstream.connect_timeout, clock)
