@@ -2,7 +2,7 @@
 reactor when many distinct clients (API keys, peer addresses) wait at once.
 
 `python -m bench.line [N ...]` (default: 1,000 and 5,000) fills a `Line` and drains it with
-`head` then `pop`, as the limiter grants a slot, and prints microseconds per join, per grant and
+`head` then `grant`, as the limiter grants a slot, and prints microseconds per join, per grant and
 per `next_aging` (which the limiter calls for every newcomer while position listeners wait):
 
   one client      N waiters of one client and one class: a plain FIFO
@@ -34,12 +34,12 @@ def fill(line: Line[int], n: int, client: Callable[[int], str], spread: float) -
 
 
 def drain(line: Line[int], n: int, start: float, step: float) -> float:
-    """Grant every waiter as the limiter does (`head`, then `pop`) at `start`, `start + step`,
+    """Grant every waiter as the limiter does (`head`, then `grant`) at `start`, `start + step`,
     ...; returns microseconds per grant."""
     now = start
     t = time.perf_counter()
     while line.head(now) is not None:
-        line.pop(now)
+        line.grant(now)
         now += step
     elapsed = time.perf_counter() - t
     assert not len(line), "the line did not drain"

@@ -247,17 +247,34 @@ class Rises(TestCase):
 
     def test_a_join_looks_for_the_aging_timer_at_no_more_cost_with_more_clients(self) -> None:
         """Every join looks for the next crossing; with thousands of clients waiting once each
-        a look at every queue per join made a burst of joins quadratic. Finding a crossing to
-        the float (`_crossing`) is the costly step: each waiter's is found once in all the
-        joins, not once per join."""
+        a look at every waiter per join made a burst of joins quadratic. Each waiter's next
+        crossing is computed once in all the joins, not once per join."""
         found: list[int] = []
-        crossing = line_module._crossing
-        self.patch(line_module, "_crossing", lambda *a: found.append(1) or crossing(*a))
+        aged_at = line_module.aged_at
+        self.patch(line_module, "aged_at", lambda *a: found.append(1) or aged_at(*a))
         self.sem.acquire_in_line(client="x")
+        found.clear()
         for i in range(2000):
             self.waiter(f"client-{i}", BATCH)
-        self.assertLessEqual(len(found), 2000)
+        self.assertLessEqual(len(found), 5 * 2000, "a few per join, whatever waits")
         self.assertEqual(self.aging_timers(), [self.sem.line.next_aging(self.clock.seconds())])
+
+    def test_the_aging_timer_finds_its_waiter_crossed_at_an_epoch_clock(self) -> None:
+        """The moment the timer is set for is the moment the line counts the waiter as aged,
+        whatever the rounding of a large clock (here `(t + 0.3) - t < 0.3`): the rise is told
+        when the timer goes off, not a step later."""
+        sem = self.sem = PositionedSemaphore(1, self.clock, report_interval=0.5, aging=0.3)
+        self.addCleanup(sem.close)
+        self.clock.advance(1760000400.7349162)
+        sem.acquire_in_line(client="chat")
+        _, nightly = self.waiter("nightly", BATCH)
+        self.clock.advance(0.1)
+        _, chat = self.waiter("chat")
+        self.assertEqual((nightly, chat), ([1, 2], [1]))
+        (at,) = self.aging_timers()
+        self.assertEqual(at, 1760000400.7349162 + 0.3)
+        self.clock.advance(at - self.clock.seconds())
+        self.assertEqual(chat, [1, 2], "nightly is served as normal, and owes nothing")
 
     def test_a_release_whose_correction_moves_a_client_back_tells_it_at_once(self) -> None:
         """Both clients were charged 1 s a grant; a's slot was held 10 s, so a's waiters go

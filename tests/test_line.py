@@ -14,8 +14,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.core import line as line_module
-from homelab_gateway.core.line import CLASS_RANK, Line, Waiter, _crossing, effective_rank
+from homelab_gateway.core.line import CLASS_RANK, Line, aged_at, served_as
 from homelab_gateway.line.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
@@ -30,9 +29,9 @@ class LineUnit(TestCase):
             line.join(name, "c", NORMAL, 0.0)
         self.assertEqual(list(line.order(0.0)), list("abcd"))
         self.assertEqual(line.queues, 1)
-        popped = [line.pop(100.0) for _ in range(4)]
+        popped = [line.grant(100.0) for _ in range(4)]
         self.assertEqual([p[0] for p in popped if p], list("abcd"))
-        self.assertIsNone(line.pop(100.0))
+        self.assertIsNone(line.grant(100.0))
 
     def test_a_better_class_goes_first_and_a_lower_one_last(self) -> None:
         line: Line[str] = Line(aging=100)
@@ -42,16 +41,16 @@ class LineUnit(TestCase):
         self.assertEqual(list(line.order(1.0)), ["i1", "n1", "b1"])
 
     def test_aging_serves_a_waiter_as_the_class_above_per_period(self) -> None:
-        self.assertEqual(effective_rank(BATCH, 9.9, 10), BATCH)
-        self.assertEqual(effective_rank(BATCH, 10, 10), NORMAL)
-        self.assertEqual(effective_rank(BATCH, 25, 10), INTERACTIVE)
-        self.assertEqual(effective_rank(BATCH, 1e9, None), BATCH)
+        self.assertEqual(served_as(BATCH, 0.0, 9.9, 10), BATCH)
+        self.assertEqual(served_as(BATCH, 0.0, 10, 10), NORMAL)
+        self.assertEqual(served_as(BATCH, 0.0, 25, 10), INTERACTIVE)
+        self.assertEqual(served_as(BATCH, 0.0, 1e9, None), BATCH)
         line: Line[str] = Line(aging=10)
         line.join("old-batch", "a", BATCH, 0.0)
         line.join("new-normal", "b", NORMAL, 5.0)
         self.assertEqual(list(line.order(9.0)), ["new-normal", "old-batch"])
-        self.assertEqual(list(line.order(10.0)), ["old-batch", "new-normal"])
         self.assertEqual(line.next_aging(9.0), 10.0)
+        self.assertEqual(list(line.order(10.0)), ["old-batch", "new-normal"])
 
     def test_next_aging_sees_a_later_arrival_cross_before_an_earlier_one_crosses_again(
         self,
@@ -64,32 +63,26 @@ class LineUnit(TestCase):
             line.next_aging(10.5), 11.0, "b2 becomes normal at 11, b1 interactive at 20"
         )
 
-    def test_a_crossing_near_zero_is_found_exactly_and_at_once(self) -> None:
-        """Near 0 the floats are tiny: a walk float by float from the sum to the first crossed
-        moment never ended (a test's clock gone back below 0 hung the suite)."""
-        waiter = Waiter("w", "c", NORMAL, -1.0)
-        at = _crossing(waiter, INTERACTIVE, 1.0, 1.0)
-        self.assertEqual(effective_rank(NORMAL, at + 1.0, 1.0), INTERACTIVE)
-        self.assertEqual(effective_rank(NORMAL, math.nextafter(at, -math.inf) + 1.0, 1.0), NORMAL)
-
-    def test_a_burst_at_an_epoch_clock_finds_only_the_first_crossings(self) -> None:
-        """A waiter's next crossing is noted a hair below it: within a billionth of the moment
-        (1.8 s at an epoch clock), every newcomer of a burst was noted before the first
-        waiter's exact crossing, and found its own (`_crossing`) when the limiter asked
-        `next_aging` after its join."""
-        found: list[int] = []
-        self.patch(line_module, "_crossing", lambda *a: found.append(1) or _crossing(*a))
-        line: Line[int] = Line(aging=120.0)
-        start = 1.76e9
-        for i in range(100):
-            line.join(i, f"client-{i}", NORMAL, start + i * 0.01)
-            line.next_aging(start + i * 0.01)
-        self.assertEqual(len(found), 1, "the first waiter's, at the first look")
-        self.assertEqual(line.next_aging(start + 1.0), _crossing(line._waiters[0], 0, 120.0, 120.0))
+    @given(
+        st.floats(-1e10, 1e10),
+        st.sampled_from([0.001, 0.3, 1.0, 7.7, 120.0]),
+        st.integers(1, 2),
+    )
+    @example(1760000400.7349162, 0.3, 1)  # (t + 0.3) - t < 0.3
+    @example(-1.0, 1.0, 1)  # near 0, where floats are tiny
+    def test_a_waiter_is_aged_from_the_moment_aged_at_gives_and_not_a_float_before(
+        self, arrived: float, aging: float, steps: int
+    ) -> None:
+        """The aging timer is set at `aged_at`: there the waiter must count as aged, and not
+        before, whatever the rounding, or a rise would be told late or early."""
+        at = aged_at(arrived, steps, aging)
+        self.assertEqual(served_as(BATCH, arrived, at, aging), BATCH - steps)
+        before = math.nextafter(at, -math.inf)
+        self.assertEqual(served_as(BATCH, arrived, before, aging), BATCH - steps + 1)
 
     def test_a_client_that_held_slots_longer_waits_behind_one_that_did_not(self) -> None:
         line: Line[str] = Line()
-        heavy = line.admit("heavy", NORMAL, 0.0)
+        heavy, _ = line.admit("heavy", NORMAL, 0.0)
         line.settle(heavy, 30.0)  # it held a slot for 30 s
         line.join("h1", "heavy", NORMAL, 30.0)
         line.join("h2", "heavy", NORMAL, 30.0)
@@ -104,7 +97,7 @@ class LineUnit(TestCase):
             [("a1", "a", INTERACTIVE), ("c1", "c", BATCH), ("a2", "a", BATCH), ("a3", "a", BATCH)]
         ):
             line.join(name, client, rank, at / 10)
-        popped = line.pop(0.4)
+        popped = line.grant(0.4)
         assert popped is not None
         line.settle(popped[1], 0.0)  # a1 held its slot for no time: a owes nothing
         for at, (name, client) in enumerate([("c2", "c"), ("b1", "b"), ("b2", "b")], start=5):
@@ -115,7 +108,7 @@ class LineUnit(TestCase):
 
     def test_idle_clients_are_forgotten_and_bank_no_credit(self) -> None:
         line: Line[str] = Line()
-        grant = line.admit("a", NORMAL, 0.0)
+        grant, _ = line.admit("a", NORMAL, 0.0)
         line.settle(grant, 0.0)
         self.assertEqual(line._clients, {})  # nothing owed, nothing waiting: nothing kept
 
@@ -126,7 +119,7 @@ class LineUnit(TestCase):
         line.join("i1", "a", INTERACTIVE, 2.0)
         line.join("n1", "c", NORMAL, 3.0)
         self.assertEqual(line.oldest_arrival(), 1.0)
-        self.assertEqual(line.pop(4.0)[0], "i1")  # type: ignore[index]
+        self.assertEqual(line.grant(4.0)[0], "i1")  # type: ignore[index]
         self.assertEqual(line.oldest_arrival(), 1.0)
         line.leave("b1")
         self.assertEqual(line.oldest_arrival(), 3.0)
@@ -174,7 +167,7 @@ class LineMovesNobodyBackButWhenItSays(TestCase):
                     self.fail("said to go last, but goes ahead of someone")
             elif op[0] == "pop":
                 head = line.head(now)
-                popped = line.pop(now)
+                popped = line.grant(now)
                 if popped is None:
                     self.assertEqual((before, head), ([], None))
                     continue
@@ -197,8 +190,10 @@ class LineMovesNobodyBackButWhenItSays(TestCase):
                     self.assertEqual(list(line.order(until)), before, "aged with no warning")
                 else:
                     self.assertGreater(at, now)
-                    self.assertEqual(list(line.order(math.nextafter(at, -math.inf))), before)
-                    self.assertNotEqual(line.waiting_by_class(at), line.waiting_by_class(now))
+                    just_before = math.nextafter(at, -math.inf)
+                    self.assertEqual(list(line.order(just_before)), before)
+                    was = line.waiting_by_class(just_before)
+                    self.assertNotEqual(line.waiting_by_class(at), was)
                 now = until
 
 
@@ -255,11 +250,11 @@ class GoesLast(TestCase):
                 if line.goes_last(n, now):
                     self.assertEqual(list(line.order(now))[-1], n)
             elif op[0] == "pop":
-                popped = line.pop(now)
+                popped = line.grant(now)
                 if popped is not None:
                     grants.append((popped[1], op[1]))
             elif op[0] == "admit":
-                grant = line.admit(f"new-{n}" if op[1] == "new" else op[1], NORMAL, now)
+                grant, _ = line.admit(f"new-{n}" if op[1] == "new" else op[1], NORMAL, now)
                 grants.append((grant, op[2]))
             elif op[0] == "leave" and len(line):
                 line.leave(list(line.order(now))[op[1] % len(line)])

@@ -1,5 +1,6 @@
-"""The line's heaps of heads against the walk they replace: the same head, grant and next aging
-after any sequence of operations, ties, aging and clocks that go back included."""
+"""The line's heaps of heads against the walks they replace: the same head, grant and next aging
+after any sequence of operations, ties, aging and clocks that go back included (time inside the
+line never goes back: the walks look at the latest moment seen)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.core.line import CLASSES, Line, Waiter, _crossing, effective_rank
+from homelab_gateway.core.line import CLASSES, Line, Waiter, aged_at, served_as
 
 
 def walked_head(line: Line[Any], now: float) -> Waiter[Any] | None:
@@ -24,7 +25,7 @@ def walked_head(line: Line[Any], now: float) -> Waiter[Any] | None:
         start = max(line._virtual, state.finish)
         for queue in state.queues.values():
             head = queue[0]
-            key = (effective_rank(head.rank, now - head.arrived, line.aging), start, head.arrived)
+            key = (served_as(head.rank, head.arrived, now, line.aging), start, head.arrived)
             if best is None or key < best[0]:
                 best = (key, head)
     return None if best is None else best[1]
@@ -38,9 +39,9 @@ def walked_aging(line: Line[Any], now: float) -> float | None:
         return None
     soonest: float | None = None
     for waiter in line._waiters.values():
-        rank = effective_rank(waiter.rank, now - waiter.arrived, aging)
+        rank = served_as(waiter.rank, waiter.arrived, now, aging)
         if rank:
-            at = _crossing(waiter, rank - 1, (waiter.rank - rank + 1) * aging, aging)
+            at = aged_at(waiter.arrived, waiter.rank - rank + 1, aging)
             soonest = at if soonest is None else min(soonest, at)
     return soonest
 
@@ -60,10 +61,10 @@ def bisected_aging(line: Line[Any], now: float) -> float | None:
                 first = bisect_left(
                     queue,
                     True,
-                    key=lambda w: effective_rank(rank, now - w.arrived, aging) > better,
+                    key=lambda w: served_as(rank, w.arrived, now, aging) > better,
                 )
                 if first < len(queue):
-                    at = _crossing(queue[first], better, steps * aging, aging)
+                    at = aged_at(queue[first].arrived, steps, aging)
                     soonest = at if soonest is None else min(soonest, at)
     return soonest
 
@@ -75,26 +76,27 @@ class Checked:
         self.test = test
         self.line: Line[int] = Line(aging=aging, weights=weights)
         self.now = 0.0
+        self.seen = 0.0  # the line's own time: the latest `now` it was given
         self.went_back = False  # FIFOs may be out of arrival order: the bisecting walk is off
         self.grants: list[Any] = []
         self.n = 0
 
     def check(self) -> None:
         line, now = self.line, self.now
-        expected = walked_head(line, now)
         head = line.head(now)
+        self.seen = max(self.seen, now)
+        expected = walked_head(line, self.seen)
         self.test.assertEqual(head, None if expected is None else expected.item)
         self.test.assertEqual(next(iter(line.order(now)), None), head, "pop and order disagree")
         order = list(line.order(now))
-        self.test.assertEqual(list(line.leading(now)), order, "leading is not order")
-        self.test.assertEqual(list(line.order(now)), order, "leading changed the line")
-        aging = walked_aging(line, now)
+        self.test.assertEqual(list(line.order(now)), order, "order changed the line")
+        aging = walked_aging(line, self.seen)
         self.test.assertEqual(line.next_aging(now), aging)
         if not self.went_back:
-            self.test.assertEqual(bisected_aging(line, now), aging)
+            self.test.assertEqual(bisected_aging(line, self.seen), aging)
         live = sum(len(s.queues) for s in line._clients.values())
         self.test.assertEqual(line.queues, live)
-        self.test.assertLessEqual(len(line._even) + len(line._owing), 2 * live + 64)
+        self.test.assertLessEqual(len(line._at_v) + len(line._owing), 2 * live + 64)
         self.test.assertLessEqual(len(line._ages), 2 * len(line) + 64)
 
     def do(self, op: tuple[Any, ...]) -> None:
@@ -104,30 +106,33 @@ class Checked:
             self.n += 1
             line.join(self.n, op[1], op[2], self.now)
         elif kind == "pop":
-            expected = walked_head(line, self.now)
-            popped = line.pop(self.now)
+            self.seen = max(self.seen, self.now)
+            expected = walked_head(line, self.seen)
+            granted = line.grant(self.now)
             if expected is None:
-                self.test.assertIsNone(popped)
+                self.test.assertIsNone(granted)
                 return
-            assert popped is not None
-            item, grant = popped
+            assert granted is not None
+            item, grant, _ = granted
             self.test.assertEqual(item, expected.item)
-            rank = effective_rank(expected.rank, self.now - expected.arrived, line.aging)
+            rank = served_as(expected.rank, expected.arrived, self.seen, line.aging)
             self.test.assertEqual((grant.client, grant.rank), (expected.client, rank))
             self.grants.append(grant)
         elif kind == "take" and len(line):
+            self.seen = max(self.seen, self.now)
             items = list(line._waiters)
             item = items[op[1] % len(items)]
             waiter = line._waiters[item]
-            grant, _ = line.take(item, self.now)
-            rank = effective_rank(waiter.rank, self.now - waiter.arrived, line.aging)
-            self.test.assertEqual(grant.rank, rank)
-            self.grants.append(grant)
+            granted = line.grant(self.now, item)
+            assert granted is not None
+            rank = served_as(waiter.rank, waiter.arrived, self.seen, line.aging)
+            self.test.assertEqual(granted[1].rank, rank)
+            self.grants.append(granted[1])
         elif kind == "leave" and len(line):
             items = list(line._waiters)
             line.leave(items[op[1] % len(items)])
         elif kind == "admit":
-            self.grants.append(line.admit(op[1], op[2], self.now))
+            self.grants.append(line.admit(op[1], op[2], self.now)[0])
         elif kind == "settle" and self.grants:
             line.settle(self.grants.pop(op[1] % len(self.grants)), op[2])
         elif kind == "wait":
@@ -211,17 +216,17 @@ class HeadsAreTheWalksHeads(TestCase):
 
     def test_a_waiter_that_aged_elsewhere_joins_and_the_clock_goes_back(self) -> None:
         """A waiter moved from another line keeps its arrival: it may join already aged. A
-        clock that goes back over a crossing finds the classes of that moment."""
+        clock that goes back over a crossing does not make anyone younger."""
         line: Line[str] = Line(aging=1.0)
         line.join("batch", "a", 2, 0.0)
         line.join("normal", "b", 1, 0.5)
         self.assertEqual(line.head(1.2), "batch")  # served as normal since 1.0, and came first
         line.join("moved", "c", 2, -5.0)  # interactive since -3.0
         self.assertEqual(line.head(1.2), "moved")
-        popped = line.pop(0.2)
-        self.assertEqual(popped and (popped[0], popped[1].rank), ("moved", 0))
-        self.assertEqual(line.head(0.2), "normal", "batch is batch again at 0.2")
-        self.assertEqual(line.head(1.2), "batch")
+        granted = line.grant(0.2)
+        self.assertEqual(granted and (granted[0], granted[1].rank), ("moved", 0))
+        self.assertEqual(line.head(0.2), "batch", "still served as normal at 0.2")
+        self.assertEqual(line.next_aging(0.2), 1.5, "normal is interactive at 1.5, after 1.2")
 
     def test_a_tie_goes_to_the_client_first_in_the_table(self) -> None:
         """Equal keys: the client created first, even if its FIFO of that class is newer."""
@@ -240,6 +245,6 @@ class HeadsAreTheWalksHeads(TestCase):
         for item, client, at in [("a1", "a", 0.0), ("b1", "b", 0.0), ("a2", "a", 0.0)]:
             line.join(item, client, 1, at)
         line.join("b2", "b", 1, 0.1)
-        self.assertEqual([line.pop(0.2)[0] for _ in range(3)], ["a1", "b1", "a2"])  # type: ignore[index]
+        self.assertEqual([line.grant(0.2)[0] for _ in range(3)], ["a1", "b1", "a2"])  # type: ignore[index]
         line.join("c1", "c", 1, 0.2)
         self.assertEqual(line.head(0.2), "b2")

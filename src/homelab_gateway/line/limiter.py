@@ -281,8 +281,9 @@ class PositionedSemaphore(DeferredSemaphore):
         want = self._want(among, avoid, session)
         candidates = self._open_for(want, now)
         if candidates:
-            slot = self._grant(candidates, want, self.line.admit(client, rank, now), now)
-            if self.line.charging_moves(client):  # others wait for replicas this one skipped
+            grant, moved = self.line.admit(client, rank, now)
+            slot = self._grant(candidates, want, grant, now)
+            if moved:  # others wait for replicas this one skipped
                 self._tell_rises(now)
                 self._changed()
             return succeed(slot)
@@ -353,10 +354,9 @@ class PositionedSemaphore(DeferredSemaphore):
         self._holding[slot] = None
         return slot
 
-    def _order(self, now: float, *, lazily: bool = False) -> Iterator[Deferred[Slot]]:
-        """Everyone waiting, in the order they would be served: retries, then the line; found
-        `lazily` (`Line.leading`) for a walk that stops after a few."""
-        line = self.line.leading(now) if lazily else self.line.order(now)
+    def _order(self, now: float) -> Iterator[Deferred[Slot]]:
+        """Everyone waiting, in the order they would be served: retries, then the line."""
+        line = self.line.order(now)
         return chain(self._first, line) if self._first else line
 
     def _place(self, d: Deferred[Slot], now: float) -> None:
@@ -457,43 +457,37 @@ class PositionedSemaphore(DeferredSemaphore):
             want = self._wants.get(d)
             candidates = self._open_for(want, now)
             if candidates:
-                return d, want, candidates, *self._take_out(d, now, False)
+                return d, want, candidates, *self._take_out(d, now)
         if not self._choosy:
-            # Everyone may take any replica, so the head of the line gets it: popped at once,
-            # since finding it first (`Line.head`) and then popping it would find it twice.
-            popped = self.line.pop(now)
-            if popped is None:
+            # Everyone may take any replica, so the head of the line gets it.
+            granted = self.line.grant(now)
+            if granted is None:
                 return None
-            d, grant = popped
+            d, grant, moved = granted
             want = self._out_of_line(d)
-            return d, want, self._open_for(want, now), grant, False
-        # Some may take only some replicas: the first in order that may start now, found
-        # lazily (`Line.leading`), so a grant does not cost a heap of every client's head.
-        for index, d in enumerate(self.line.leading(now)):
+            return d, want, self._open_for(want, now), grant, moved
+        # Some may take only some replicas: the first in order that may start now.
+        for d in self.line.order(now):
             want = self._wants.get(d)
             candidates = self._open_for(want, now)
             if candidates:
-                return d, want, candidates, *self._take_out(d, now, index == 0)
+                return d, want, candidates, *self._take_out(d, now)
         return None
 
-    def _take_out(self, d: Any, now: float, head: bool) -> tuple[Grant, bool]:
-        """Take waiter `d` out of the line, granted, and charge its client as the line does: a
-        retry as admitted, the `head` of the line popped, any other taken out of turn. Also
-        True if that may have moved another waiter back."""
+    def _take_out(self, d: Any, now: float) -> tuple[Grant, bool]:
+        """Take waiter `d` out of the line, granted, and charge its client as the line does (a
+        retry as admitted). Also True if that may have moved another waiter back."""
         if d in self._retrying:
             self._first.remove(d)
             client, rank = self._retrying.pop(d)
-            grant, moved = self.line.admit(client, rank, now), self.line.charging_moves(client)
+            grant, moved = self.line.admit(client, rank, now)
         else:
             want = self._wants.get(d)
             if want is not None and want.choosy:
                 self._choosy -= 1
-            if head:
-                popped = self.line.pop(now)
-                assert popped is not None and popped[0] is d
-                grant, moved = popped[1], False
-            else:
-                grant, moved = self.line.take(d, now)
+            granted = self.line.grant(now, d)
+            assert granted is not None
+            grant, moved = granted[1], granted[2]
         self._out_of_line(d)
         return grant, moved
 

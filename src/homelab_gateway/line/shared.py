@@ -329,9 +329,8 @@ class SharedSemaphore(PositionedSemaphore):
         spare = sum(budget.values()) - len(self._claiming)
         if spare <= 0:
             return
-        # Lazily: a claim is for the first waiters not yet claimed for, so it stops after a
-        # few, where `Line.order` would cost every FIFO's head first.
-        for item in self._order(now, lazily=True):
+        # A claim is for the first waiters not yet claimed for: the walk stops after a few.
+        for item in self._order(now):
             w = self._ids[item]
             if w in self._claiming:
                 continue
@@ -402,9 +401,9 @@ class SharedSemaphore(PositionedSemaphore):
 
     def _on_admit(self, event: Mapping[str, Any], t: float) -> None:
         info = orjson.loads(event["i"])
-        grant = self.line.admit(info["c"], info["k"], t)
+        grant, moved = self.line.admit(info["c"], info["k"], t)
         self._hold(event["w"], event["r"], grant, t, info)
-        if self.line.charging_moves(info["c"]):
+        if moved:
             self._tell_rises(t)
             self._changed()
 
@@ -413,10 +412,11 @@ class SharedSemaphore(PositionedSemaphore):
         info = orjson.loads(event["i"])
         item = self._items.pop(w, None)
         if item is None:  # not in this copy (it cannot be, but the slot must count)
-            grant, moved = self.line.admit(info["c"], info["k"], t), False
+            grant, _ = self.line.admit(info["c"], info["k"], t)
+            moved = False
         else:
             self._ids.pop(item, None)
-            grant, moved = self._take_out(item, t, self.line.head(t) is item)
+            grant, moved = self._take_out(item, t)
         self._hold(w, event["r"], grant, t, info)
         if moved:
             self._tell_rises(t)
