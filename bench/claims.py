@@ -1,5 +1,5 @@
 """What a claim of the shared line costs as its line grows, with no Redis: a load-independent
-figure for `shared.SharedSemaphore._claim`.
+figure for `shared.RedisSource._claim`.
 
 `python -m bench.claims [N ...]` (default: 1,000 and 5,000) builds one gateway's copy of a line
 of two slots with N waiters of another gateway (`Remote`s) behind two blockers, then drains it
@@ -29,17 +29,19 @@ from collections.abc import Callable
 import orjson
 from twisted.internet.task import Clock
 
-from homelab_gateway.line.limiter import Replica
-from homelab_gateway.line.shared import SharedSemaphore
+from homelab_gateway.core.dispatch import Replica
+from homelab_gateway.line.shared import RedisSource, shared_line
 from tests.helpers import FakeCluster
 
 
-def build(n: int, client: Callable[[int], str]) -> tuple[SharedSemaphore, FakeCluster, Clock]:
+def build(n: int, client: Callable[[int], str]) -> tuple[RedisSource, FakeCluster, Clock]:
     """A copy with both slots held by blockers and n waiters of another gateway."""
     clock = Clock()
     clock.advance(1000.0)
     cluster = FakeCluster()
-    line = SharedSemaphore([Replica("stub", 2)], clock, cluster=cluster)  # type: ignore[arg-type]
+    shared = shared_line([Replica("stub", 2)], clock, cluster=cluster)  # type: ignore[arg-type]
+    line = shared.source
+    assert isinstance(line, RedisSource)
     t = repr(clock.seconds())
     for b in ("blocker-1", "blocker-2"):
         info = orjson.dumps({"c": "blocker", "k": 1})
@@ -51,12 +53,12 @@ def build(n: int, client: Callable[[int], str]) -> tuple[SharedSemaphore, FakeCl
     return line, cluster, clock
 
 
-def drain(line: SharedSemaphore, cluster: FakeCluster, clock: Clock, together: int) -> int:
+def drain(line: RedisSource, cluster: FakeCluster, clock: Clock, together: int) -> int:
     """Release `together` slots at a time, answer the claims as Redis would (the first claim
     for a slot wins), until nobody waits; returns the claims made."""
     claims = 0
     held = list(line._slots)
-    while line.waiting or held:
+    while line.line.waiting or held:
         clock.advance(0.5)
         t = repr(clock.seconds())
         for w in held[:together]:
@@ -74,7 +76,7 @@ def drain(line: SharedSemaphore, cluster: FakeCluster, clock: Clock, together: i
             d.callback(1)
         if not made and not held:
             break
-    assert not line.waiting, "the line did not drain"
+    assert not line.line.waiting, "the line did not drain"
     return claims
 
 
@@ -94,7 +96,7 @@ def case(name: str, n: int, client: Callable[[int], str], together: int) -> None
 
     line._claim = profiled  # type: ignore[method-assign]
     claims = drain(line, cluster, clock, together)
-    line.close()
+    line.line.close()
     table = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     runs = next(v[1] for k, v in table.items() if k[2] == "_claim")
     calls = sum(v[1] for k, v in table.items() if "disable" not in k[2])
@@ -111,7 +113,7 @@ def case(name: str, n: int, client: Callable[[int], str], together: int) -> None
 
     line._claim = timed  # type: ignore[method-assign]
     drain(line, cluster, clock, together)
-    line.close()
+    line.line.close()
     print(
         f"{name:12} N={n:>6}: {claims:>6} claims in {runs:>6} _claim runs, "
         f"{calls / claims:8.1f} function calls and {spent / claims * 1e6:8.1f} us "

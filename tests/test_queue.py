@@ -135,7 +135,7 @@ class Queue(LLMSurface):
         ]
         for response in queued:
             await response.until_text("event: queue")
-        kept = [len(want.session) for want in self.slots._wants.values()]
+        kept = [len(want.session) for want in self.slots.dispatch._wants.values()]
         self.assertEqual(kept, [32, 32])
         await self.drain(queued)
         self.assertEqual([len(key) for key in self.slots.sessions._last], [32, 32])

@@ -201,7 +201,7 @@ class OneLineManyReplicas(SynchronousTestCase):
         d = self.line.acquire_in_line(among=frozenset({self.b}))
         d.addErrback(lambda f: f.trap(CancelledError))
         d.cancel()
-        self.assertEqual(self.line._choosy, 0)
+        self.assertEqual(self.line.dispatch._restricted, 0)
         slots[0].release()
         self.assertEqual(len(self.line.waiting), 0)
 
@@ -312,7 +312,7 @@ class LineOfReplicasMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_position_told_is_better_than_the_truth(self) -> None:
-        order = list(self.line._order(self.clock.seconds()))
+        order = list(self.line.dispatch.order(self.clock.seconds()))
         for d, told in self.told.items():
             if d in self.waiting and told:
                 assert told[-1] >= order.index(d) + 1, (told, order.index(d) + 1)

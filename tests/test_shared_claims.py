@@ -1,6 +1,6 @@
 """Whom a gateway's copy of the shared line claims a free slot for: the same waiters, in the same
-order, with the same preferred upstreams, as the walk of its whole order that `_claim` made
-before it found the order lazily (`Line.leading`). No Redis: the copy is driven by the events
+order, with the same preferred upstreams, as a walk of its whole order (`Dispatch.order`),
+which `_claim` stops after a few. No Redis: the copy is driven by the events
 Redis would append, and its claims are answered by hand."""
 
 from __future__ import annotations
@@ -15,36 +15,42 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.line.limiter import Replica, Unavailable
-from homelab_gateway.line.shared import SharedSemaphore, _preferences
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Unavailable
+from homelab_gateway.line.shared import RedisSource, _preferences, shared_line
 from tests.helpers import FakeCluster
 
 
-def walked_claims(line: SharedSemaphore, now: float) -> list[tuple[str, bytes]]:
-    """The claims `_claim` made by walking the whole order (`PositionedSemaphore._order`:
-    retries, then `Line.order`), each with its preferences, leaving the copy as it was."""
-    turn = line._turn
+def walked_claims(line: PositionedSemaphore, now: float) -> list[tuple[str, bytes]]:
+    """The claims `_claim` makes by walking the whole order (`Dispatch.order`: retries, then
+    `Line.order`), each with its preferences, leaving the copy as it was."""
+    source, dispatch = source_of(line), line.dispatch
+    turn = dispatch._turn
     budget = {m: m.free for m in line.members if m.open_at(now)}
-    spare = sum(budget.values()) - len(line._claiming)
+    spare = sum(budget.values()) - len(source._claiming)
     claims: list[tuple[str, bytes]] = []
     if spare <= 0 or not line.waiting:
         return claims
-    for item in line._order(now):
-        w = line._ids[item]
-        if w in line._claiming:
+    for item in list(dispatch.order(now)):
+        w = source._ids[item]
+        if w in source._claiming:
             continue
-        want = line._wants.get(item)
-        candidates = [m for m in line._open_for(want, now) if budget[m] > 0]
+        want = dispatch.want_of(item)
+        candidates = [m for m in dispatch.open_for(want, now) if budget[m] > 0]
         if not candidates:
             continue
-        ranked = line._ranked(candidates, want.session if want else None)
+        ranked = dispatch.ranked(candidates, want.session if want else None)
         budget[ranked[0]] -= 1
         spare -= 1
         claims.append((w, _preferences(ranked)))
         if spare <= 0:
             break
-    line._turn = turn
+    dispatch._turn = turn
     return claims
+
+
+def source_of(line: PositionedSemaphore) -> RedisSource:
+    assert isinstance(line.source, RedisSource)
+    return line.source
 
 
 NAMES = ("r0", "r1", "r2")
@@ -60,22 +66,23 @@ class Copy:
         self.clock.advance(100.0)
         self.cluster = FakeCluster()
         replicas = [Replica(name, limit) for name, limit in zip(NAMES, limits, strict=True)]
-        self.line = SharedSemaphore(
+        self.line = shared_line(
             replicas,
             self.clock,
             cluster=self.cluster,  # type: ignore[arg-type]
             aging=aging,
         )
         test.addCleanup(self.line.close)
+        self.source = source_of(self.line)
         self.n = 0
         self.held: list[str] = []
 
     def event(self, op: str, **fields: Any) -> None:
         """One event, then the end of its batch without the claim that `applied` makes: the
         test makes it (`claim`)."""
-        self.line.apply({"op": op, "t": repr(self.clock.seconds()), **fields})
-        self.line._replaying = False
-        self.line._count()
+        self.source.apply({"op": op, "t": repr(self.clock.seconds()), **fields})
+        self.source._replaying = False
+        self.line.count()
 
     def join(
         self, client: str, rank: int, among: int, avoid: int, first: bool, session: bool
@@ -106,7 +113,7 @@ class Copy:
             self.event("release", w=self.held.pop(index % len(self.held)))
 
     def leave(self, index: int) -> None:
-        waiting = list(self.line._items)
+        waiting = list(self.source._items)
         if waiting:
             self.event("leave", w=waiting[index % len(waiting)])
 
@@ -114,20 +121,20 @@ class Copy:
         """Some waiters already being claimed for, then a claim checked against the walk;
         the claims are then granted or refused (another gateway's claim won) as `answers` say.
         Returns the waiters claimed for."""
-        line = self.line
-        waiting = list(line._items)
+        line, source = self.line, self.source
+        waiting = list(source._items)
         pretend = {waiting[i % len(waiting)] for i in claiming} if waiting else set()
-        pretend -= line._claiming
-        line._claiming |= pretend
+        pretend -= source._claiming
+        source._claiming |= pretend
         now = self.clock.seconds()
         expected = walked_claims(line, now)
-        line._claim()
+        source._claim()
         made = [(w, prefs) for w, prefs, _ in self.cluster.claims]
         self.test.assertEqual(made, expected)
-        line._claiming -= pretend
+        source._claiming -= pretend
         claims, self.cluster.claims = self.cluster.claims, []
         for (w, prefs, d), granted in zip(claims, itertools.cycle(answers or [True]), strict=False):
-            if granted and w in line._items:
+            if granted and w in source._items:
                 replica = orjson.loads(prefs)[0]
                 self.event("grant", w=w, r=replica, i=orjson.dumps({"c": "x", "k": 1}))
                 self.held.append(w)
@@ -208,9 +215,9 @@ class ClaimsAreTheWalks(TestCase):
         for client, rank in [("a", 2), ("b", 1), ("a", 1), ("c", 1), ("b", 0), ("d", 1)]:
             copy.join(client, rank, 0, 0, False, False)
             copy.clock.advance(0.4)
-        order = [copy.line._ids[d] for d in copy.line.line.order(copy.clock.seconds())]
+        order = [copy.source._ids[d] for d in copy.line.line.order(copy.clock.seconds())]
         self.assertNotEqual(order, sorted(order, key=lambda w: int(w.rsplit("/", 1)[1])))
-        copy.line._claiming.add(order[0])
+        copy.source._claiming.add(order[0])
         self.assertEqual(copy.claim([], [True]), order[1:4])
 
 
@@ -220,10 +227,11 @@ class AJoinThatFails(TestCase):
 
     def setUp(self) -> None:
         self.cluster = FakeCluster()
-        self.line = SharedSemaphore([Replica("r0", 1)], Clock(), cluster=self.cluster)
+        self.line = shared_line([Replica("r0", 1)], Clock(), cluster=self.cluster)  # type: ignore[arg-type]
+        self.source = source_of(self.line)
 
     def kept(self) -> list[Any]:
-        return [self.line._local, self.line._ids, self.line._requests]
+        return [self.source._local, self.source._ids, self.source._requests]
 
     def test_one_whose_join_cannot_be_written(self) -> None:
         with self.assertRaises(TypeError):  # a session that is no text (a header's bytes)
@@ -250,15 +258,15 @@ class AJoinThatFails(TestCase):
         self.cluster.line_call = line_call  # type: ignore[method-assign]
         waiter = self.line.acquire_in_line(session="0" * 32)
         (w, info, _, _), reply = joins[0]
-        self.line.apply({"op": "join", "t": "1.0", "w": w, "i": info, "a": "1.0"})
-        self.line.applied()
+        self.source.apply({"op": "join", "t": "1.0", "w": w, "i": info, "a": "1.0"})
+        self.source.applied()
         reply.errback(ConnectionError("the reply timed out"))
         self.failureResultOf(waiter, Unavailable)
-        self.line.applied()  # a claim walks the copy, the waiter still in it
-        self.line.apply({"op": "leave", "t": "1.1", "w": w})
-        self.line.applied()
+        self.source.applied()  # a claim walks the copy, the waiter still in it
+        self.source.apply({"op": "leave", "t": "1.1", "w": w})
+        self.source.applied()
         self.assertEqual(self.kept(), [{}, {}, {}])
-        self.assertEqual((self.line._items, self.line._cancelled), ({}, set()))
+        self.assertEqual((self.source._items, self.source._cancelled), ({}, set()))
 
     def test_one_whose_join_never_ran(self) -> None:
         """Redis answers the leave of a waiter it never had 'unknown': nothing waits for it."""
@@ -266,4 +274,4 @@ class AJoinThatFails(TestCase):
             fail(ConnectionError("gone")) if script == "join" else succeed("unknown")
         )
         self.failureResultOf(self.line.acquire_in_line(), Unavailable)
-        self.assertEqual(self.line._cancelled, set())
+        self.assertEqual(self.source._cancelled, set())

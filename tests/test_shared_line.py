@@ -1,6 +1,6 @@
 """The line's contract, held by both of its implementations: in process
 (`limiter.PositionedSemaphore`, one gateway) and shared through a real Redis
-(`shared.SharedSemaphore`, here three gateways' copies in this process, each with its own
+(`shared.RedisSource`, here three gateways' copies in this process, each with its own
 `Cluster`, its own connections and its own instance id). Then what only the shared line has:
 a gateway that dies, one that stops cleanly, Redis going away and coming back empty."""
 
@@ -19,7 +19,7 @@ from homelab_gateway.config import ClusterConfig
 from homelab_gateway.core.line import CLASS_RANK
 from homelab_gateway.line.cluster import BACKOFF, SETTLE, Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot, Unavailable
-from homelab_gateway.line.shared import SharedSemaphore
+from homelab_gateway.line.shared import shared_line
 from tests.helpers import PATIENCE, PROMPTLY, wait_for
 from tests.redis_server import RedisServer
 from tests.test_proxy import async_test
@@ -83,7 +83,7 @@ class OverRedis:
         await wait_for(lambda: all(c.live for c in self.clusters), what="every gateway linked")
         return lines
 
-    def gateway(self, test: TestCase, name: str, slots: int, share: float) -> SharedSemaphore:
+    def gateway(self, test: TestCase, name: str, slots: int, share: float) -> PositionedSemaphore:
         config = ClusterConfig(
             host="127.0.0.1",
             port=self.redis.port,
@@ -93,7 +93,7 @@ class OverRedis:
             fallback_share=share,
         )
         cluster = Cluster(config, reactor)
-        line = SharedSemaphore(
+        line = shared_line(
             [Replica("vllm", slots)], reactor, cluster=cluster, report_interval=REPORT
         )
         cluster.start()
@@ -381,7 +381,7 @@ class SharedOnly(TestCase):
         await self.backend.settle()
         self.assertEqual((first.positions, second.positions), ([1], [2]))
         cluster = self.backend.clusters[0]
-        new = SharedSemaphore(
+        new = shared_line(
             [old.members[0], Replica("vllm-b", 1)], reactor, cluster=cluster, report_interval=REPORT
         )
         self.addCleanup(new.close)
@@ -483,7 +483,7 @@ class Agreement(TestCase):
                 await backend.settle()
         await backend.settle()
         now = lines[0].clock.seconds()
-        orders = [[line._ids[item] for item in line._order(now)] for line in lines]
+        orders = [[line.source._ids[item] for item in line.dispatch.order(now)] for line in lines]  # type: ignore[attr-defined]
         self.assertEqual(orders[0], orders[1])
         self.assertEqual(orders[0], orders[2])
         self.assertEqual(len({line.in_use for line in lines}), 1)

@@ -43,7 +43,7 @@ from homelab_gateway.heap import settle_heap
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
-from homelab_gateway.line.shared import SharedSemaphore
+from homelab_gateway.line.shared import shared_line
 from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.telemetry import Telemetry
@@ -142,7 +142,7 @@ class Gateway:
         upstreams came from, so a reload that gives a model a second box loses nobody's place."""
         for names in shared_lines(config):
             members = [self.pools[name].replica for name in names]
-            before = {m.group for m in members if m.group is not None}
+            before = {m.line for m in members if m.line is not None}
             line = next(iter(before)) if len(before) == 1 else None
             if line is None or set(line.members) != set(members):
                 if self.cluster is None:
@@ -150,7 +150,7 @@ class Gateway:
                         members, self.reactor, on_health=self._health_changed
                     )
                 else:
-                    line = SharedSemaphore(
+                    line = shared_line(
                         members, self.reactor, cluster=self.cluster, on_health=self._health_changed
                     )
                 for old in before:

@@ -4,6 +4,7 @@ line never goes back: the walks look at the latest moment seen)."""
 
 from __future__ import annotations
 
+import math
 import random
 from bisect import bisect_left
 from typing import Any
@@ -76,7 +77,7 @@ class Checked:
         self.test = test
         self.line: Line[int] = Line(aging=aging, weights=weights)
         self.now = 0.0
-        self.seen = 0.0  # the line's own time: the latest `now` it was given
+        self.seen = -math.inf  # the line's own time: the latest `now` it was given
         self.went_back = False  # FIFOs may be out of arrival order: the bisecting walk is off
         self.grants: list[Any] = []
         self.n = 0

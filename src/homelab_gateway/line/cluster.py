@@ -1,8 +1,8 @@
 """This gateway's link to the Redis that several gateways share their slots and lines through.
 
 `[cluster]` in the config turns it on; without it nothing here runs and every line lives in the
-process (`limiter.PositionedSemaphore`). With it, every line is a `shared.SharedSemaphore`:
-a copy of the line that changes only by replaying the events the Lua scripts in `scripts`
+process (`limiter.PositionedSemaphore`). With it, every line's source is a `shared.RedisSource`:
+the line is a copy that changes only by replaying the events the Lua scripts in `scripts`
 append to one Redis stream, in that stream's order, so every gateway's copy agrees.
 
 What this module does: keep two connections (one for the scripts and the lease, one blocked
@@ -32,7 +32,7 @@ from homelab_gateway.line.limiter import Unavailable
 from homelab_gateway.line.scripts import SHAS, SOURCES
 
 if TYPE_CHECKING:
-    from homelab_gateway.line.shared import SharedSemaphore
+    from homelab_gateway.line.shared import RedisSource
 
 log = Logger()
 STREAM_LENGTH = 100_000
@@ -60,7 +60,7 @@ class Cluster:
         # Unique per process: a gateway restarted under the same name is a new member, so the
         # leftovers of its previous life are swept, not mistaken for its own.
         self.instance = f"{config.instance}/{secrets.token_hex(4)}"
-        self.lines: dict[str, SharedSemaphore] = {}
+        self.lines: dict[str, RedisSource] = {}
         self._calls: dict[str, tuple[list[str], list[Any]]] = {}  # a line's script keys, args
         self.live = False
         self.lost_at: float | None = None
@@ -229,7 +229,7 @@ class Cluster:
             await self._commands.set(self.key("settling"), "1", pexpire=int(SETTLE * 1000))
         self._epoch = epoch
 
-    def add(self, line: SharedSemaphore) -> None:
+    def add(self, line: RedisSource) -> None:
         """A new line (start, or a reload that grouped upstreams anew): while linked, its copy
         is read from Redis at once, and events it already has are skipped (`since`)."""
         self.lines[line.key] = line
@@ -246,7 +246,7 @@ class Cluster:
         if self.live:
             ensureDeferred(self.rebuild([line])).addErrback(self._not_rebuilt)
 
-    def _line_keys(self, line: SharedSemaphore) -> tuple[str, list[str]]:
+    def _line_keys(self, line: RedisSource) -> tuple[str, list[str]]:
         """The keys of `line`'s waiters and of its upstreams' slots (see `scripts`)."""
         waiting = self.key("line", line.key, "waiting")
         return waiting, [self.key("upstream", name, "slots") for name in line.member_names]
@@ -255,7 +255,7 @@ class Cluster:
         """The link failed while reading a new line: the reconnection rebuilds every line."""
         self.last_error = failure.getErrorMessage()
 
-    async def rebuild(self, lines: Sequence[SharedSemaphore] | None = None) -> None:
+    async def rebuild(self, lines: Sequence[RedisSource] | None = None) -> None:
         """Read the lines' waiters and slots (every line's by default) and the last event's
         number in one step, and rebuild each copy from them; the stream is then followed from
         that event."""
@@ -294,7 +294,7 @@ class Cluster:
             )
             if not reply:
                 continue
-            touched: dict[SharedSemaphore, None] = {}
+            touched: dict[RedisSource, None] = {}
             for entry_id, fields in reply[0][1]:
                 event = orjson.loads(fields[1])
                 n = int(event["n"])
@@ -318,7 +318,7 @@ class Cluster:
         except txredisapi.ScriptDoesNotExist:
             return await self._commands.eval(SOURCES[name], keys, args)
 
-    def line_call(self, line: SharedSemaphore, script: str, *args: Any) -> Deferred[Any]:
+    def line_call(self, line: RedisSource, script: str, *args: Any) -> Deferred[Any]:
         """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))

@@ -57,8 +57,8 @@ class Pool:
     @property
     def slots(self) -> PositionedSemaphore:
         """The line this upstream's slots are handed out in."""
-        assert self.replica.group is not None
-        return self.replica.group
+        assert self.replica.line is not None
+        return self.replica.line
 
     async def hold_slot(
         self,

@@ -4,7 +4,7 @@ Redis runs a script alone: no other gateway's command interleaves with it, so "a
 and "take it" are one step, and no interleaving of gateways can hand out slot N+1 of an
 upstream. Every change is also appended, in the same step, to one stream of events
 (`events`), numbered without gaps (`seq`) and stamped with Redis's clock: every gateway replays
-that one order into its own copy of the line (`shared.SharedSemaphore`), so the fair order,
+that one order into its own copy of the line (`shared.RedisSource`), so the fair order,
 the positions, session affinity and each replica's health are the same everywhere.
 
 The keys a line script gets, in this order: the stream, the counter, the line's waiters (a

@@ -1,0 +1,268 @@
+"""Who gets a free slot, and on which replica (sans-IO).
+
+`Dispatch` holds one line's waiters: the fair `line.Line`, the retries served before it, and
+what each waiter may take (`Want`). It decides grants on plain values: `next` picks the first
+waiter, in order, that may start on a replica now, takes it out and starts it there. Both
+lines drive it: the in-process semaphore at once, the line shared through Redis as it replays
+the stream's events (where Redis, not this object, decides who is granted: `grant` applies
+that). Nothing here holds a timer or a Deferred.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, Generic, TypeVar
+
+from homelab_gateway.core.line import Grant, Line
+from homelab_gateway.core.replicas import DOWN, UP, Circuit, Sessions, choose
+
+T = TypeVar("T", bound=Hashable)
+
+
+@dataclass(eq=False)
+class Replica:
+    """One upstream's slots, and its health. It belongs to one line at a time (`line`); a
+    reload may move it to another, with the slots it holds."""
+
+    name: str
+    limit: int
+    fallback: bool = False
+    circuit: Circuit = field(default_factory=Circuit)
+    held: int = 0
+    line: Any = None  # the semaphore whose line it is in
+    owner: Any = None  # what the service keeps for this upstream (its Pool)
+    share: float | None = None  # while set, only this fraction of `limit` may be held
+
+    @property
+    def usable(self) -> int:
+        """The slots that may be held: all of them, or a gateway's fallback share of a shared
+        upstream while it cannot reach the others."""
+        return self.limit if self.share is None else int(self.limit * self.share)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.usable - self.held)
+
+    def open_at(self, now: float) -> bool:
+        """Whether a request may start here now: a free slot, and in rotation."""
+        return self.held < self.usable and self.circuit.admits(now)
+
+
+@dataclass(slots=True, frozen=True)
+class Want:
+    """What a waiter may take: slots of `among` (None: any replica of the line), preferably not
+    of `avoid` (replicas it already failed on), preferably where `session` was served last."""
+
+    among: frozenset[Replica] | None = None
+    avoid: frozenset[Replica] = frozenset()
+    session: str | None = None
+
+    @property
+    def restricted(self) -> bool:
+        """Whether a free slot may go to a waiter behind the head of the line."""
+        return self.among is not None or bool(self.avoid)
+
+
+@dataclass(slots=True)
+class Start(Generic[T]):
+    """A waiter (or a newcomer: `item` None) that starts on `replica` now."""
+
+    item: T | None
+    want: Want | None
+    replica: Replica
+    grant: Grant
+    trial: bool  # the one request a half-open replica lets through
+    moved: bool  # whether granting it may have moved another waiter back
+
+
+class Dispatch(Generic[T]):
+    """One line's waiters and the decision of who starts where."""
+
+    def __init__(
+        self,
+        members: Sequence[Replica],
+        *,
+        aging: float | None = None,
+        weights: Mapping[str, float] = {},
+    ) -> None:
+        self.members = list(members)
+        self.line: Line[T] = Line(aging=aging, weights=weights)
+        self.sessions = Sessions()
+        self._retries: dict[T, tuple[str, int, float]] = {}  # served before the line, in order
+        self._wants: dict[T, Want] = {}
+        self._restricted = 0  # waiters in `line` that cannot take every replica's slot
+        self._turn = 0
+
+    def __len__(self) -> int:
+        return len(self.line) + len(self._retries)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._retries or item in self.line
+
+    @property
+    def plain(self) -> bool:
+        """Whether the order is one FIFO (one client, one class, no retry): a newcomer's place
+        is the line's length, and nothing but a grant or a leave moves anyone."""
+        return self.line.queues <= 1 and not self._retries
+
+    def want(
+        self, among: frozenset[Replica] | None, avoid: frozenset[Replica], session: str | None
+    ) -> Want | None:
+        """What a waiter may take; None for any replica of the line, no session."""
+        if among is not None and len(among) == len(self.members):
+            among = None
+        return Want(among, avoid, session) if among or avoid or session else None
+
+    def want_of(self, item: T) -> Want | None:
+        return self._wants.get(item)
+
+    def open_for(self, want: Want | None, now: float) -> list[Replica]:
+        """The replicas a waiter may start on now. A retry avoids the replicas it failed on
+        while another of its replicas is in rotation (busy or not)."""
+        members = self.members
+        if want is not None:
+            if want.among is not None:
+                members = [m for m in members if m in want.among]
+            if want.avoid:
+                fresh = [m for m in members if m not in want.avoid and m.circuit.state != DOWN]
+                members = fresh or members
+        return [m for m in members if m.open_at(now)]
+
+    def ranked(self, candidates: list[Replica], session: str | None) -> list[Replica]:
+        """`candidates` best first: the one `replicas.choose` takes, then the most free."""
+        if not candidates:
+            return []
+        best = choose(candidates, self.sessions.get(session), self._turn)
+        self._turn += 1
+        return [best, *sorted((m for m in candidates if m is not best), key=lambda m: -m.free)]
+
+    def started(self, replica: Replica, session: str | None) -> bool:
+        """A request starts on `replica`: its slot is held, its session served there. True if
+        it is the trial of a half-open replica."""
+        replica.held += 1
+        self.sessions.served(session, replica.name)
+        return replica.circuit.begin()
+
+    def admit(self, client: str, rank: int, want: Want | None, now: float) -> Start[T] | None:
+        """A newcomer that may start now on a replica it may take: it skips the line, and its
+        service still counts. None if none is open to it: it must wait."""
+        candidates = self.open_for(want, now)
+        if not candidates:
+            return None
+        grant, moved = self.line.admit(client, rank, now)
+        return self._start(None, want, candidates, grant, moved)
+
+    def _start(
+        self,
+        item: T | None,
+        want: Want | None,
+        candidates: list[Replica],
+        grant: Grant,
+        moved: bool,
+    ) -> Start[T]:
+        session = want.session if want is not None else None
+        replica = choose(candidates, self.sessions.get(session), self._turn)
+        self._turn += 1
+        return Start(item, want, replica, grant, self.started(replica, session), moved)
+
+    def join(
+        self, item: T, client: str, rank: int, arrived: float, want: Want | None, retry: bool
+    ) -> None:
+        """`item` waits: in the line, or (a retry: it had reached the head once) ahead of it."""
+        if retry:
+            self._retries[item] = (client, rank, arrived)
+        else:
+            self.line.join(item, client, rank, arrived)
+            if want is not None and want.restricted:
+                self._restricted += 1
+        if want is not None:
+            self._wants[item] = want
+
+    def leave(self, item: T) -> bool:
+        """A waiter that gave up leaves; True if that may have moved another waiter back."""
+        moved = False
+        if self._retries.pop(item, None) is None:
+            moved = self.line.leave(item)
+            self._unrestrict(item)
+        self._wants.pop(item, None)
+        return moved
+
+    def _unrestrict(self, item: T) -> None:
+        want = self._wants.get(item)
+        if want is not None and want.restricted:
+            self._restricted -= 1
+
+    def next(self, now: float) -> Start[T] | None:
+        """Take out the first waiter, in order, that may start on a replica now, and start it
+        there; None if nobody waiting may."""
+        if not any(m.open_at(now) for m in self.members):
+            return None
+        for item in self._retries:
+            want = self._wants.get(item)
+            candidates = self.open_for(want, now)
+            if candidates:
+                return self._start(item, want, candidates, *self.grant(item, now))
+        if not self._restricted:
+            # Everyone may take any replica, so the head of the line gets it.
+            granted = self.line.grant(now)
+            if granted is None:
+                return None
+            item, grant, moved = granted
+            want = self._wants.pop(item, None)
+            return self._start(item, want, self.open_for(want, now), grant, moved)
+        for item in self.line.order(now):
+            want = self._wants.get(item)
+            candidates = self.open_for(want, now)
+            if candidates:
+                return self._start(item, want, candidates, *self.grant(item, now))
+        return None
+
+    def grant(self, item: T, now: float) -> tuple[Grant, bool]:
+        """Take waiter `item` out, granted, and charge its client as the line does (a retry as
+        admitted). Also whether that may have moved another waiter back."""
+        retry = self._retries.pop(item, None)
+        if retry is not None:
+            client, rank, _ = retry
+            grant, moved = self.line.admit(client, rank, now)
+        else:
+            self._unrestrict(item)
+            granted = self.line.grant(now, item)
+            assert granted is not None
+            grant, moved = granted[1], granted[2]
+        self._wants.pop(item, None)
+        return grant, moved
+
+    def order(self, now: float) -> Iterator[T]:
+        """Everyone waiting, in the order they would be served: retries, then the line."""
+        line = self.line.order(now)
+        return chain(self._retries, line) if self._retries else line
+
+    def goes_last(self, item: T, now: float) -> bool:
+        """Whether the newcomer `item` is last in `order` (False when unsure)."""
+        return item in self.line and self.line.goes_last(item, now)
+
+    def arrival(self, item: T) -> tuple[str, int, float, bool]:
+        """A waiter's client, class, arrival and whether it is a retry: to move it to another
+        line without losing its place."""
+        retry = self._retries.get(item)
+        if retry is not None:
+            return (*retry, True)
+        return (*self.line.arrived(item), False)
+
+    def want_here(self, want: Want | None) -> tuple[bool, Want | None]:
+        """Whether a waiter of another line (a reload) may wait in this one, and what it may
+        take here: one that could take any of the old line's replicas (its model's) takes any
+        of this line's; one kept to some keeps to those of them that are here."""
+        want = want or Want()
+        among = frozenset(self.members) if want.among is None else want.among
+        among = among.intersection(self.members)
+        restricted = among if len(among) < len(self.members) else None
+        moved = Want(restricted, want.avoid, want.session)
+        return bool(among), (moved if moved != Want() else None)
+
+    def slots(self) -> tuple[int, int]:
+        """All the slots, and those free in rotation."""
+        limit = max(1, sum(m.limit for m in self.members))
+        return limit, sum(m.free for m in self.members if m.circuit.state == UP)
