@@ -13,7 +13,7 @@ cancels start-up and whatever the first waiters warmed:
   grouped by allocating line and by their 8 most recent frames, and the objects per waiter
   by type (gc-tracked containers only).
 
-The gateway's heap is settled as the daemon's is (`heap.settle_heap`), and each client sends
+The gateway's heap is settled as the daemon's is (`collector.tune_collector`), and each client sends
 what bench's burst scenario sends (a short streamed prompt, a user id of its own).
 
 Both rounds then let the line drain and check every waiter got its answer. tracemalloc's
@@ -197,9 +197,9 @@ def measure(n: int, top: int, padding: int, messages: int) -> None:
     from twisted.internet import protocol, reactor
     from twisted.internet.defer import Deferred, ensureDeferred
 
+    from homelab_gateway.collector import tune_collector
     from homelab_gateway.config import parse_config
     from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
-    from homelab_gateway.heap import settle_heap
     from homelab_gateway.service import Gateway
 
     settings = StubSettings(reasoning_tokens=0, content_tokens=STUB_TOKENS)
@@ -218,8 +218,8 @@ def measure(n: int, top: int, padding: int, messages: int) -> None:
     gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
     listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1", backlog=4096)
     port = listening.getHost().port
-    line = gateway.pools["queue"].slots
-    settle_heap()  # as the daemon does once it started
+    line = gateway.pools["queue"].line
+    tune_collector()  # as the daemon does once it started
 
     class Client(protocol.ProcessProtocol):
         def __init__(self) -> None:

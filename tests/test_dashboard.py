@@ -156,7 +156,7 @@ class AgainstMetrics(TestCase):
         servers.start_gateway(document)
         port = servers.gateway_port
         assert servers.gateway is not None
-        slots = servers.gateway.pools["vllm"].slots
+        slots = servers.gateway.pools["vllm"].line
         exported = Exported()
 
         async def scrape() -> None:

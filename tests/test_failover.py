@@ -97,7 +97,7 @@ class Replicas(TestCase):
 
     @property
     def line(self) -> Any:
-        return self.gateway.pools["a"].slots
+        return self.gateway.pools["a"].line
 
     async def settled(self) -> None:
         await wait_for(

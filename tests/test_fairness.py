@@ -79,7 +79,7 @@ class FairLine(TestCase):
 
     @property
     def line(self) -> Any:
-        return self.servers.gateway.pools["vllm"].slots
+        return self.servers.gateway.pools["vllm"].line
 
     def send(self, key: str, body: Any, headers: dict[str, str] | None = None) -> Any:
         return raw_request(
@@ -300,7 +300,7 @@ class Identity(TestCase):
         return dict(json.loads(response.body_text())["headers"])
 
     async def waiting_clients(self, headers: dict[str, str]) -> dict[str, int]:
-        slots = self.servers.gateway.pools["vllm"].slots
+        slots = self.servers.gateway.pools["vllm"].line
         busy = raw_request(self.port, "POST", "/llm/v1/messages", chat(), headers=headers)
         await wait_for(lambda: slots.in_use == 1, what="the slot to fill")
         queued = raw_request(self.port, "POST", "/llm/v1/messages", chat(), headers=headers)

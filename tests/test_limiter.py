@@ -222,7 +222,7 @@ class Rises(TestCase):
         self.assertEqual((chat, pal), ([1, 2], [2, 3]))
 
     def test_clients_waiting_once_each_join_without_a_walk(self) -> None:
-        """Each goes last (`Line.goes_last`): its place is the line's length and nobody moved,
+        """Each goes last (`Line.is_last`): its place is the line's length and nobody moved,
         so no walk of the order per join (quadratic for thousands of clients at once)."""
         walks = []
         order = self.sem.line.order

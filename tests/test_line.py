@@ -163,7 +163,7 @@ class LineMovesNobodyBackButWhenItSays(TestCase):
                 self.assertEqual(after[:place], before[:place], "moved someone ahead of it")
                 if place == len(before):
                     self.assertEqual(after[:place], before, "went last yet moved someone")
-                elif line.goes_last(n, now):
+                elif line.is_last(n, now):
                     self.fail("said to go last, but goes ahead of someone")
             elif op[0] == "pop":
                 head = line.head(now)
@@ -213,7 +213,7 @@ goes_last_op = st.one_of(
 
 
 class GoesLast(TestCase):
-    """`Line.goes_last` lets a newcomer skip the walk that would find its place: it must never
+    """`Line.is_last` lets a newcomer skip the walk that would find its place: it must never
     say so of one that does not end the order, and must say so in the case it is for."""
 
     @settings(max_examples=400)
@@ -247,7 +247,7 @@ class GoesLast(TestCase):
         for n, op in enumerate(ops):
             if op[0] == "join":
                 line.join(n, f"new-{n}" if op[1] == "new" else op[1], op[2], now - op[3])
-                if line.goes_last(n, now):
+                if line.is_last(n, now):
                     self.assertEqual(list(line.order(now))[-1], n)
             elif op[0] == "pop":
                 popped = line.grant(now)
@@ -268,9 +268,9 @@ class GoesLast(TestCase):
         line.admit("earlier", NORMAL, 0.0)  # a client that owes slot time but does not wait
         for i in range(2000):
             line.join(i, f"client-{i}", NORMAL, i * 0.001)
-            self.assertTrue(line.goes_last(i, i * 0.001))
+            self.assertTrue(line.is_last(i, i * 0.001))
         line.join(2000, "client-7", NORMAL, 2.0)  # a second waiter starts after V
-        self.assertFalse(line.goes_last(2000, 2.0))
+        self.assertFalse(line.is_last(2000, 2.0))
 
 
 @dataclass

@@ -45,7 +45,7 @@ class LLMSurface(TestCase):
 
     @property
     def slots(self) -> Any:
-        return self.servers.gateway.pools["vllm"].slots
+        return self.servers.gateway.pools["vllm"].line
 
     async def post(self, body: Any, path: str = "/llm/v1/messages", **kw: Any) -> Any:
         response = raw_request(self.port, "POST", path, body, **kw)

@@ -207,9 +207,7 @@ class ProxyIntegration(TestCase):
         left = time.monotonic()
         await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
         self.assertLess(self.log.events("cancelled")[0][0] - left, PROMPTLY)
-        await wait_for(
-            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, what="the slot"
-        )
+        await wait_for(lambda: self.servers.gateway.pools["vllm"].line.in_use == 0, what="the slot")
 
     @async_test
     async def test_client_disconnect_before_upstream_headers_cancels_upstream(self) -> None:
@@ -219,9 +217,7 @@ class ProxyIntegration(TestCase):
         await wait_for(lambda: self.log.events("start"), what="the stub to see the request")
         response.disconnect()
         await wait_for(lambda: self.log.events("cancelled"), what="the stub to log cancelled")
-        await wait_for(
-            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, what="the slot"
-        )
+        await wait_for(lambda: self.servers.gateway.pools["vllm"].line.in_use == 0, what="the slot")
 
     @async_test
     async def test_client_leaving_while_sending_its_body_never_reaches_the_upstream(self) -> None:
@@ -242,7 +238,7 @@ class ProxyIntegration(TestCase):
             await partial.closed
             await wait_for(lambda: not gateway_side, what="the gateway to drop it")
         self.assertEqual(self.stub.stats.requests, 0)
-        self.assertEqual(self.servers.gateway.pools["vllm"].slots.in_use, 0)
+        self.assertEqual(self.servers.gateway.pools["vllm"].line.in_use, 0)
 
     @async_test
     async def test_refused_upstream_is_502(self) -> None:
@@ -359,7 +355,7 @@ class ProxyIntegration(TestCase):
         await wait_for(lambda: self.stub.stats.in_flight == 2, what="two requests in flight")
         response = raw_request(self.port, "POST", "/openai/chat/completions", self.stream_body())
         await wait_for(
-            lambda: len(self.servers.gateway.pools["vllm"].slots.waiting) == 1,
+            lambda: len(self.servers.gateway.pools["vllm"].line.waiting) == 1,
             what="it to queue",
         )
         await response.closed
@@ -390,9 +386,7 @@ class Backpressure(TestCase):
         self.assertEqual(self.log.events("complete"), [], "the whole stream was buffered somewhere")
         response.disconnect()
         await wait_for(lambda: self.log.events("cancelled"), what="the stub to be cancelled")
-        await wait_for(
-            lambda: self.servers.gateway.pools["vllm"].slots.in_use == 0, what="the slot"
-        )
+        await wait_for(lambda: self.servers.gateway.pools["vllm"].line.in_use == 0, what="the slot")
 
     @async_test
     async def test_through_the_proxy(self) -> None:
@@ -418,7 +412,7 @@ class UpstreamMisbehaviour(TestCase):
         self.stub_url, self.stub, self.log = self.servers.stub()
         self.servers.start_gateway(gateway_document(self.stub_url, server={"ping_interval": 0.1}))
         self.port = self.servers.gateway_port
-        self.slots = self.servers.gateway.pools["vllm"].slots
+        self.slots = self.servers.gateway.pools["vllm"].line
 
     async def answered(self, response: Any) -> None:
         await wait_for(lambda: response.closed.called, what="the client to be answered")
@@ -632,7 +626,7 @@ class CountTokensCap(TestCase):
         ]
         await wait_for(lambda: len(pool.tokenizer.waiting) == 10 - TOKENIZE_CONCURRENCY, 5.0)
         await wait_for(lambda: len(tokenizer.held) == TOKENIZE_CONCURRENCY, 5.0)
-        self.assertEqual(pool.slots.in_use, 0, "a count takes no generation slot")
+        self.assertEqual(pool.line.in_use, 0, "a count takes no generation slot")
         while any(not r.closed.called for r in responses):
             tokenizer.answer_all()
             await wait_for(lambda: tokenizer.held or all(r.closed.called for r in responses))

@@ -97,7 +97,7 @@ class Queue(LLMSurface):
     @async_test
     async def test_a_finished_request_leaves_its_body_to_nobody(self) -> None:
         """A finished request's objects can wait in reference cycles until the collector runs
-        (rarely, in the daemon: `heap.settle_heap`): none of them may hold its body."""
+        (rarely, in the daemon: `collector.tune_collector`): none of them may hold its body."""
         first = raw_request(self.port, "POST", "/llm/v1/messages", chat(stream=False))
         await first.closed  # a whole life, every module it imports, before the one measured
         gc.disable()

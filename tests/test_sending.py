@@ -1,6 +1,6 @@
-"""Writes to a client go out at once when nothing is buffered (`channel.SendAtOnce`), and
+"""Writes to a client go out at once when nothing is buffered (`channel.ClientTransport`), and
 Twisted's way otherwise: the same bytes in the same order, and nothing after an abort. Writes
-inside `sending.TOGETHER` go out in one send at its end: an answer's headers with its first
+inside `sending.ONE_SEND` go out in one send at its end: an answer's headers with its first
 bytes, a pooled upstream connection's request (headers and body) before the reactor turns."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from twisted.web.client import Agent
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from homelab_gateway.sending import TOGETHER, UpstreamTransport, reactor_for_upstreams
+from homelab_gateway.sending import ONE_SEND, UpstreamTransport, reactor_for_upstreams
 from homelab_gateway.upstream.client import EndpointPerHost, Upstream, llm_http
 from homelab_gateway.upstream.connections import UpstreamPool
-from homelab_gateway.web.channel import GatewaySite, SendAtOnce, WireLimits, send_at_once
+from homelab_gateway.web.channel import ClientTransport, GatewaySite, WireLimits, send_at_once
 from tests.helpers import wait_for
 
 
@@ -84,7 +84,7 @@ class SendAtOnceTests(TestCase):
 
     async def test_a_write_to_an_idle_connection_is_sent_before_the_reactor_turns(self) -> None:
         transport, client = await self._connected()
-        self.assertIsInstance(transport, SendAtOnce)
+        self.assertIsInstance(transport, ClientTransport)
         transport.writeSequence([b"event: ping\n", b"data: {}\n\n"])
         self.assertNotIn(transport, reactor.getWriters(), "left for the next iteration")
         await wait_for(lambda: client.data == b"event: ping\ndata: {}\n\n", what="the frame")
@@ -110,9 +110,9 @@ class SendAtOnceTests(TestCase):
     async def test_writes_inside_together_go_out_in_one_send_at_its_end(self) -> None:
         transport, client = await self._connected()
         transport.socket = counting = _CountingSocket(transport.socket)
-        with TOGETHER:
+        with ONE_SEND:
             transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
-            with TOGETHER:  # an inner block ends nothing
+            with ONE_SEND:  # an inner block ends nothing
                 transport.writeSequence([b"5\r\n", b"hello\r\n"])
             self.assertEqual(counting.sends, [], "sent before the block's end")
         self.assertEqual(counting.sends, [b"HTTP/1.1 200 OK\r\n\r\n5\r\nhello\r\n"])
@@ -121,7 +121,7 @@ class SendAtOnceTests(TestCase):
 
     async def test_what_is_held_goes_before_a_close_inside_together(self) -> None:
         transport, client = await self._connected()
-        with TOGETHER:
+        with ONE_SEND:
             transport.write(b"the last words")
             transport.loseConnection()
         await wait_for(lambda: client.lost, what="the close")
@@ -129,7 +129,7 @@ class SendAtOnceTests(TestCase):
 
     async def test_nothing_held_is_sent_once_the_connection_is_aborted(self) -> None:
         transport, client = await self._connected()
-        with TOGETHER:
+        with ONE_SEND:
             transport.write(b"held")
             transport.abortConnection()
         await wait_for(lambda: client.lost, what="the client to see the abort")

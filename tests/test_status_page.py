@@ -89,7 +89,7 @@ class Pushing(TestCase):
         self.page = StatusPage(
             self.clock,
             self.telemetry,
-            {"vllm": SimpleNamespace(slots=self.slots)},  # type: ignore[dict-item]
+            {"vllm": SimpleNamespace(line=self.slots)},  # type: ignore[dict-item]
             lambda: self.document,
         )
 

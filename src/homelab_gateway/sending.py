@@ -8,12 +8,12 @@ write while anything is buffered, goes Twisted's way, with its producer pausing.
 
 Sending at once would split what Twisted joins in its buffer: the status line and headers of
 an answer and its first bytes, an upstream request's headers and its body, each a write of its
-own, would each be a `send` (and a wake-up of the peer). Writes made inside `TOGETHER` (a
+own, would each be a `send` (and a wake-up of the peer). Writes made inside `ONE_SEND` (a
 context manager) are held and sent at its end, one `send` per transport.
 
-Transports that send this way: the gateway's client connections (`channel.SendAtOnce`, installed
-on the listening port) at every write; the upstream connections of plain-HTTP upstreams
-(`UpstreamTransport`, made by `reactor_for_upstreams`) only for writes inside `TOGETHER`
+Transports that send this way: the gateway's client connections (`channel.ClientTransport`,
+installed on the listening port) at every write; the upstream connections of plain-HTTP upstreams
+(`UpstreamTransport`, made by `reactor_for_upstreams`) only for writes inside `ONE_SEND`
 (`Upstream.open` writes a pooled connection's request that way), all other writes Twisted's way.
 """
 
@@ -26,8 +26,8 @@ from twisted.internet.posixbase import PosixReactorBase
 from zope.interface import directlyProvides, providedBy
 
 
-class _Together:
-    """`with TOGETHER:` holds the writes to `SendsAtOnce` transports until the outermost block
+class _OneSend:
+    """`with ONE_SEND:` holds the writes to `SendsAtOnce` transports until the outermost block
     ends, then sends each transport's in one `send`, in the order of their first write."""
 
     __slots__ = ("_depth", "_held")
@@ -68,7 +68,7 @@ class _Together:
             transport.send_at_once(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
-TOGETHER = _Together()
+ONE_SEND = _OneSend()
 
 
 class SendsAtOnce(tcp.Connection):
@@ -101,8 +101,8 @@ class SendsAtOnce(tcp.Connection):
         tcp.Connection.write(self, data)
 
     def write(self, data: bytes) -> None:
-        if TOGETHER.holding:
-            TOGETHER.hold(self, data)
+        if ONE_SEND.holding:
+            ONE_SEND.hold(self, data)
         else:
             self.send_at_once(data)
 
@@ -110,18 +110,18 @@ class SendsAtOnce(tcp.Connection):
         self.write(b"".join(iovec))
 
     def loseConnection(self, *args: Any) -> None:
-        TOGETHER.release(self)
+        ONE_SEND.release(self)
         super().loseConnection(*args)
 
     def abortConnection(self) -> None:
-        TOGETHER.discard(self)
+        ONE_SEND.discard(self)
         super().abortConnection()
 
 
 class UpstreamTransport(SendsAtOnce, tcp.Client):
-    """An upstream connection: writes inside `TOGETHER` are sent together at its end, at once;
+    """An upstream connection: writes inside `ONE_SEND` are sent together at its end, at once;
     every other write Twisted's way. A fresh connection's request is written when the connection
-    is made, outside any `TOGETHER`, and would otherwise go out as two sends (headers, body).
+    is made, outside any `ONE_SEND`, and would otherwise go out as two sends (headers, body).
 
     A pause asked for while a read is being handled takes effect when the read is done, unless
     a resume came first: Twisted's HTTP client pauses the connection when a response's headers
@@ -133,8 +133,8 @@ class UpstreamTransport(SendsAtOnce, tcp.Client):
     _pause_after_read = False
 
     def write(self, data: bytes) -> None:
-        if TOGETHER.holding:
-            TOGETHER.hold(self, data)
+        if ONE_SEND.holding:
+            ONE_SEND.hold(self, data)
         else:
             self.buffer(data)
 

@@ -28,6 +28,7 @@ from twisted.logger import ILogObserver, Logger, jsonFileLogObserver
 from twisted.python.failure import Failure
 from twisted.web.client import Agent
 
+from homelab_gateway.collector import tune_collector
 from homelab_gateway.config import (
     Config,
     ConfigError,
@@ -39,7 +40,6 @@ from homelab_gateway.config import (
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.core.replicas import DOWN
-from homelab_gateway.heap import settle_heap
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
@@ -296,7 +296,7 @@ class Gateway:
         return changes
 
     def _lines(self) -> list[PositionedSemaphore]:
-        lines = {pool.slots: None for pool in [*self.pools.values(), *self._retired.values()]}
+        lines = {pool.line: None for pool in [*self.pools.values(), *self._retired.values()]}
         return list(lines)
 
     async def drain(self) -> None:
@@ -449,7 +449,7 @@ class GatewayService(Service):
         self.gateway.start()
         # After the reactor's own handlers, which it installs as it starts running.
         self.reactor.callWhenRunning(self._handle, signal.SIGTERM, signal.SIGINT)
-        settle_heap()
+        tune_collector()
         if os.environ.get(PROFILE_ENV):
             self._profiler = cProfile.Profile()
             self._profiler.enable()

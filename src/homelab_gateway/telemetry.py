@@ -89,7 +89,7 @@ class _SlotCollector(Collector):
             slots.add_metric([name], pool.replica.limit)
             in_use.add_metric([name], pool.replica.held)
             up.add_metric([name], 1 if pool.replica.circuit.state == UP else 0)
-        for line in dict.fromkeys(pool.slots for pool in self._pools.values()):
+        for line in dict.fromkeys(pool.line for pool in self._pools.values()):
             name = line.name
             waiting.add_metric([name], len(line.waiting))
             for cls, count in line.line.waiting_by_class(line.clock.seconds()).items():

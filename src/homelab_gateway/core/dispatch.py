@@ -239,9 +239,9 @@ class Dispatch(Generic[T]):
         line = self.line.order(now)
         return chain(self._retries, line) if self._retries else line
 
-    def goes_last(self, item: T, now: float) -> bool:
+    def is_last(self, item: T, now: float) -> bool:
         """Whether the newcomer `item` is last in `order` (False when unsure)."""
-        return item in self.line and self.line.goes_last(item, now)
+        return item in self.line and self.line.is_last(item, now)
 
     def arrival(self, item: T) -> tuple[str, int, float, bool]:
         """A waiter's client, class, arrival and whether it is a retry: to move it to another

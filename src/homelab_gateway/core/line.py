@@ -144,7 +144,7 @@ class Line(Generic[T]):
         self._owing: list[tuple[int, float, float, int, int, int, _Fifo]] = []
         self._ages: list[tuple[float, int, Waiter[T]]] = []  # (moment, stamp, waiter)
         self._now = -math.inf  # the latest `now` seen: the heads' classes are those at it
-        # For `goes_last`: clients waiting more than once, waiters per class, latest arrival.
+        # For `is_last`: clients waiting more than once, waiters per class, latest arrival.
         self._crowded = 0
         self._by_rank = [0] * len(CLASSES)
         self._latest = -math.inf
@@ -165,7 +165,7 @@ class Line(Generic[T]):
             self._owing.clear()
             for state in self._clients.values():
                 for queue in state.queues.values():
-                    self._headed(queue)
+                    self._new_head(queue)
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -200,7 +200,7 @@ class Line(Generic[T]):
             queue = state.queues[rank] = _Fifo(state, self._created)
             queue.append(waiter)
             self._queues += 1
-            self._headed(queue)
+            self._new_head(queue)
         else:
             queue.append(waiter)
         self._will_age(waiter)
@@ -331,7 +331,7 @@ class Line(Generic[T]):
     def _live(self, waiter: Waiter[T]) -> bool:
         return self._waiters.get(waiter.item) is waiter
 
-    def _headed(self, queue: _Fifo) -> None:
+    def _new_head(self, queue: _Fifo) -> None:
         """`queue` has a new head: its class now, and its entry."""
         head = queue[0]
         queue.rank = served_as(head.rank, head.arrived, self._now, self.aging)
@@ -382,7 +382,7 @@ class Line(Generic[T]):
             self._will_age(waiter)
             queue = self._clients[waiter.client].queues[waiter.rank]
             if queue[0] is waiter:
-                self._headed(queue)
+                self._new_head(queue)
 
     def _best_head(self, now: float) -> _Fifo | None:
         """The FIFO whose head goes first at `now`."""
@@ -409,7 +409,7 @@ class Line(Generic[T]):
             return at_v[0][-1]
         return owing[0][-1] if owing else None
 
-    def goes_last(self, item: T, now: float) -> bool:
+    def is_last(self, item: T, now: float) -> bool:
         """Whether `order(now)` ends with the newcomer `item`, answered without a walk of the
         order, False when unsure: a newcomer that goes last moves nobody, and its place is the
         line's length (`python -m bench.burst --distinct`: 5,000 clients waiting once each

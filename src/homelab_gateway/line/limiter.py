@@ -117,7 +117,7 @@ class Source(Protocol):
     def release(self, slot: Slot) -> None: ...
     def judge(self, slot: Slot, failure: str | None) -> None: ...
     def probed(self, replica: Replica) -> None: ...
-    def hand_over(self) -> bool: ...
+    def grant_free(self) -> bool: ...
     def fail_waiting(self, reason: Exception) -> None: ...
     def adopt(self, old: PositionedSemaphore) -> None: ...
     def close(self) -> None: ...
@@ -204,7 +204,7 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def refresh(self) -> None:
         """After a change to the replicas (slots, membership, health): grant what is free."""
-        self.source.hand_over()
+        self.source.grant_free()
         self.count()
         self.changed()
 
@@ -252,7 +252,7 @@ class PositionedSemaphore(DeferredSemaphore):
         """
         now = self.clock.seconds()
         cooled = any(m.circuit.state == DOWN and m.open_at(now) for m in self.members)
-        if self.waiting and cooled and self.source.hand_over():
+        if self.waiting and cooled and self.source.grant_free():
             # A cool-down ended in this instant, before its timer ran: those already waiting
             # got the trial first, and one granted out of turn may have moved others back.
             self.tell_rises(now)
@@ -357,7 +357,7 @@ class PositionedSemaphore(DeferredSemaphore):
         moved = self.line.settle(slot.grant, held)
         line = slot.line()
         line.holds.add(held)
-        moved = line.source.hand_over() or (moved and line is self)
+        moved = line.source.grant_free() or (moved and line is self)
         line.count()
         if moved:
             line.tell_rises(now)
@@ -437,8 +437,8 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def _place(self, d: Any, now: float) -> None:
         """Tell a newcomer its place and, in the same walk, those it went ahead of their new
-        one: nobody ahead of it moved. One that goes last (`Line.goes_last`) moves nobody."""
-        if self.dispatch.goes_last(d, now):
+        one: nobody ahead of it moved. One that goes last (`Line.is_last`) moves nobody."""
+        if self.dispatch.is_last(d, now):
             if d in self._listeners:
                 self._tell(d, len(self.waiting))
             return
@@ -617,7 +617,7 @@ class InProcess:
     def probed(self, replica: Replica) -> None:
         self.line.probe_reached(replica)
 
-    def hand_over(self) -> bool:
+    def grant_free(self) -> bool:
         """Grant every free slot in rotation that a waiter may take, in the line's order; True
         if an out-of-turn grant may have moved someone back."""
         line = self.line

@@ -55,7 +55,7 @@ class Pool:
         self.replica.owner = self
 
     @property
-    def slots(self) -> PositionedSemaphore:
+    def line(self) -> PositionedSemaphore:
         """The line this upstream's slots are handed out in."""
         assert self.replica.line is not None
         return self.replica.line
@@ -86,7 +86,7 @@ class Pool:
         tokenizer = self.tokenizer
         if not tokenizer.tokens:
             try:
-                self.slots.check_room(client, len(tokenizer.waiting), self.counting[client])
+                self.line.check_room(client, len(tokenizer.waiting), self.counting[client])
             except QueueFull:
                 return None
         d = tokenizer.acquire()
@@ -121,7 +121,7 @@ async def hold_slot(
     (`avoid`) and the `deadline` of its first wait, and waits ahead of the line. Cancelling the
     awaiting Deferred removes the waiter from the line. The wait adds to the record's.
     """
-    line = pools[0].slots
+    line = pools[0].line
     names = "/".join(p.upstream.name for p in pools)
     started = clock.seconds()
     timeout = max(p.queue_timeout for p in pools)

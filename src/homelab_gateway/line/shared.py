@@ -264,12 +264,12 @@ class RedisSource:
 
     # -- claims --------------------------------------------------------------------------------
 
-    def hand_over(self) -> bool:
+    def grant_free(self) -> bool:
         """Slots are granted by Redis: claim what this copy shows free (after a batch of
         events, not in its middle). Never moves anyone itself. Cut off from Redis, the
         fallback share is granted here, as in process."""
         if not self.cluster.live:
-            return self.fallback.hand_over()
+            return self.fallback.grant_free()
         if not self._replaying:
             self._claim()
         return False
@@ -508,7 +508,7 @@ class RedisSource:
         for d in local.values():
             if not d.called and d not in line.dispatch:
                 d.errback(Unavailable("lost the shared line"))
-        self.fallback.hand_over()
+        self.fallback.grant_free()
         line.tell_all(now)
 
     def _waits_here(self, item: Any) -> bool:

@@ -351,7 +351,7 @@ class Messages:
                 if not packed.stream:
                     return send_json(request, 200, await self._whole(record, target, packed))
                 stream = EventStream(request, self.clock, self.ping_interval)
-                stream.estimator = target.pools[0].slots.estimate
+                stream.estimator = target.pools[0].line.estimate
                 await self._attempts(
                     record, target, packed, stream.queue_position, request, stream.send
                 )

@@ -43,7 +43,7 @@ from zope.interface import implementer
 
 from homelab_gateway.core.chunks import ChunkedBody
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.sending import TOGETHER, reactor_for_upstreams
+from homelab_gateway.sending import ONE_SEND, reactor_for_upstreams
 
 ERROR_BODY_LIMIT = 64 * 1024
 LINGER_AFTER_END = 1.0
@@ -275,9 +275,9 @@ class Upstream:
         try:
             for attempt in (1, 2):
                 # On a pooled connection the request is written before `request` returns: its
-                # headers and body go out then, in one send (`sending.TOGETHER`), rather than
+                # headers and body go out then, in one send (`sending.ONE_SEND`), rather than
                 # in the reactor's next iteration.
-                with TOGETHER:
+                with ONE_SEND:
                     pending = self.http.request(
                         method,
                         url,

@@ -92,7 +92,7 @@ class Readiness:
             probe.detail = "ok" if probe.ok else f"GET /models answered {response.code}"
             if probe.ok:
                 probe.windows = _windows(body)
-                pool.slots.recovered(pool.replica)
+                pool.line.recovered(pool.replica)
         probe.at = self.clock.seconds()
 
     def context_window(self, upstream: str, model: str) -> int | None:

@@ -230,7 +230,7 @@ class GatewayApp:
                 models.setdefault(name, []).append(model.name)
         upstreams = {}
         for name, pool in self.pools.items():
-            line, circuit = pool.slots, pool.replica.circuit
+            line, circuit = pool.line, pool.replica.circuit
             at = line.clock.seconds()  # the line's times are on its clock (Redis's, if shared)
             upstreams[name] = {
                 "slots": pool.replica.limit,
@@ -248,7 +248,7 @@ class GatewayApp:
             }
         lines = {}
         for model in self.models.values():
-            line = self.pools[model.replicas[0]].slots
+            line = self.pools[model.replicas[0]].line
             lines[model.name] = {
                 "upstreams": list(model.replicas),
                 "line": line.name,

@@ -27,7 +27,7 @@ from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.sending import TOGETHER, SendsAtOnce
+from homelab_gateway.sending import ONE_SEND, SendsAtOnce
 from homelab_gateway.web.respond import new_request_id, send_error
 
 # Reason phrases twisted.web lacks ("Unknown Status") or has from an older RFC. 529 is not
@@ -51,7 +51,7 @@ class WireLimits:
     keepalive_timeout: float = 15.0
 
 
-class SendAtOnce(SendsAtOnce, tcp.Server):
+class ClientTransport(SendsAtOnce, tcp.Server):
     """A client connection that sends a write at once when nothing is waiting to be sent
     (`sending.SendsAtOnce`): a gateway writes once per upstream read and once per queue frame,
     nearly always to an empty buffer into a socket with room, and Twisted's buffered write
@@ -60,10 +60,10 @@ class SendAtOnce(SendsAtOnce, tcp.Server):
 
 def send_at_once(port: Any) -> None:
     """New connections on `port` (a TCP listening port: plain, TLS wrapped around its
-    connections, or adopted from systemd) send their writes at once (`SendAtOnce`). Another
+    connections, or adopted from systemd) send their writes at once (`ClientTransport`). Another
     kind of port (a UNIX socket) keeps Twisted's transport."""
     if type(port) is tcp.Port and port.transport is tcp.Server:
-        port.transport = SendAtOnce
+        port.transport = ClientTransport
 
 
 class GatewayChannel(HTTPChannel):
@@ -256,7 +256,7 @@ class GatewayRequest(Request):
         if self.startedWriting:
             super().write(data)
             return
-        with TOGETHER:
+        with ONE_SEND:
             super().write(data)
 
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:

@@ -169,9 +169,9 @@ class StatusPage:
         now = self.clock.seconds()
         longest = {}
         for name, pool in self.pools.items():
-            arrived = pool.slots.line.oldest_arrival()
+            arrived = pool.line.line.oldest_arrival()
             if arrived is not None:  # on the line's clock (a shared line's is Redis's)
-                longest[name] = pool.slots.clock.seconds() - arrived
+                longest[name] = pool.line.clock.seconds() - arrived
         return {
             "type": "snapshot",
             **snapshot.build(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import gc
 
-from homelab_gateway.heap import THRESHOLDS, settle_heap
+from homelab_gateway.collector import THRESHOLDS, tune_collector
 
 
 def test_start_up_objects_are_frozen_and_collections_are_rarer() -> None:
     before = gc.get_threshold()
     try:
-        settle_heap()
+        tune_collector()
         assert gc.get_freeze_count() > 0  # start-up's objects are out of every collection
         assert gc.get_threshold() == THRESHOLDS
         assert THRESHOLDS[0] > before[0] and THRESHOLDS[2] > before[2]
