@@ -18,7 +18,7 @@ from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.dev.stub import StubResource
 from tests.grammar import check_stream
 from tests.helpers import Servers, chat, raw_request, wait_for
-from tests.test_proxy import async_test
+from tests.surfaces.test_proxy import async_test
 
 
 class Refusing(Resource):

@@ -18,8 +18,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
 from tests.helpers import RawResponse, Servers, chat, raw_request, wait_for
-from tests.test_llm import LLMSurface
-from tests.test_proxy import async_test
+from tests.surfaces.test_llm import LLMSurface
+from tests.surfaces.test_proxy import async_test
 
 
 class Drain(LLMSurface):

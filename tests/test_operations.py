@@ -23,8 +23,8 @@ from tests.helpers import (
     raw_request,
     wait_for,
 )
-from tests.test_llm import LLMSurface
-from tests.test_proxy import async_test
+from tests.surfaces.test_llm import LLMSurface
+from tests.surfaces.test_proxy import async_test
 
 KEY = "sk-gw-correct-horse"
 

@@ -14,8 +14,8 @@ from typing import Any
 from tests import helpers
 from tests.grammar import check_stream
 from tests.helpers import PROMPTLY, chat, raw_request, wait_for
-from tests.test_llm import LLMSurface
-from tests.test_proxy import async_test
+from tests.surfaces.test_llm import LLMSurface
+from tests.surfaces.test_proxy import async_test
 
 
 class Queue(LLMSurface):

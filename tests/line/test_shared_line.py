@@ -22,7 +22,7 @@ from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot, Una
 from homelab_gateway.line.shared import shared_line
 from tests.helpers import PATIENCE, PROMPTLY, wait_for
 from tests.redis_server import RedisServer
-from tests.test_proxy import async_test
+from tests.surfaces.test_proxy import async_test
 
 REPORT = 0.05  # position passes in these tests: falls are told this soon
 LEASE = 1.5

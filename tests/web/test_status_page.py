@@ -1,6 +1,6 @@
 """The status page: its event stream's timing on a Clock, and the page and stream on real sockets.
 
-The browser's view of it is tests/test_status_browser.py.
+The browser's view of it is tests/web/test_status_browser.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tests.helpers import (
     send_raw,
     wait_for,
 )
-from tests.test_proxy import async_test
+from tests.surfaces.test_proxy import async_test
 
 KEY = "sk-gw-status-page-key"
 

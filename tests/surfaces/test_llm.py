@@ -30,7 +30,7 @@ from tests.helpers import (
     raw_request,
     wait_for,
 )
-from tests.test_proxy import async_test
+from tests.surfaces.test_proxy import async_test
 
 
 class LLMSurface(TestCase):
@@ -162,7 +162,7 @@ class Streaming(LLMSurface):
 class ClaudeCode(LLMSurface):
     @async_test
     async def test_a_recorded_claude_code_request_streams(self) -> None:
-        fixture = Path(__file__).parent / "fixtures" / "claude_code_2.1.197_request.json"
+        fixture = Path(__file__).parents[1] / "fixtures" / "claude_code_2.1.197_request.json"
         headers = {
             "anthropic-version": "2023-06-01",
             "x-api-key": "sk-anything",

@@ -28,9 +28,9 @@ from tests.helpers import (
     send_raw,
     wait_for,
 )
-from tests.test_llm import LLMSurface
+from tests.surfaces.test_llm import LLMSurface
 from tests.test_operations import metric
-from tests.test_proxy import async_test
+from tests.surfaces.test_proxy import async_test
 
 
 class NonFiniteNumbers(LLMSurface):

@@ -1,0 +1,130 @@
+"""Who starts where (`core.dispatch`), on plain values: no Clock, no Deferred."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.core.dispatch import Dispatch, Replica, Want
+from homelab_gateway.core.line import CLASS_RANK
+from homelab_gateway.core.replicas import DOWN
+
+NORMAL = CLASS_RANK["normal"]
+
+
+def replicas(*limits: int) -> list[Replica]:
+    return [Replica(f"r{i}", limit) for i, limit in enumerate(limits)]
+
+
+class Decisions(TestCase):
+    def test_a_newcomer_starts_at_once_where_a_slot_is_free(self) -> None:
+        dispatch: Dispatch[str] = Dispatch(replicas(1, 2))
+        start = dispatch.admit("a", NORMAL, None, 0.0)
+        assert start is not None
+        self.assertEqual((start.item, start.replica.name, start.replica.held), (None, "r1", 1))
+
+    def test_a_newcomer_kept_to_a_full_replica_waits(self) -> None:
+        a, b = members = replicas(1, 1)
+        dispatch: Dispatch[str] = Dispatch(members)
+        a.held = 1
+        want = dispatch.want(frozenset({a}), frozenset(), None)
+        self.assertIsNone(dispatch.admit("x", NORMAL, want, 0.0))
+        self.assertIsNotNone(dispatch.admit("y", NORMAL, None, 0.0))
+        self.assertEqual(b.held, 1)
+
+    def test_a_retry_starts_before_the_line_and_away_from_where_it_failed(self) -> None:
+        a, b = members = replicas(1, 1)
+        a.held = b.held = 1
+        dispatch: Dispatch[str] = Dispatch(members)
+        dispatch.join("first", "c", NORMAL, 0.0, None, retry=False)
+        dispatch.join("retry", "c", NORMAL, 1.0, dispatch.want(None, frozenset({a}), None), True)
+        self.assertEqual(list(dispatch.order(1.0)), ["retry", "first"])
+        a.held = 0
+        start = dispatch.next(1.0)
+        assert start is not None
+        self.assertEqual((start.item, start.replica), ("first", a), "b is busy, not out")
+        a.held = 0
+        b.circuit.state = DOWN
+        b.circuit.retry_at = None
+        start = dispatch.next(1.0)
+        assert start is not None
+        self.assertEqual((start.item, start.replica), ("retry", a), "b is out of rotation")
+
+    def test_a_waiter_kept_to_a_busy_replica_lets_those_behind_it_pass(self) -> None:
+        a, b = members = replicas(1, 1)
+        a.held = b.held = 1
+        dispatch: Dispatch[str] = Dispatch(members)
+        dispatch.join(
+            "on-a", "x", NORMAL, 0.0, dispatch.want(frozenset({a}), frozenset(), None), False
+        )
+        dispatch.join("anywhere", "y", NORMAL, 1.0, None, False)
+        b.held = 0
+        start = dispatch.next(2.0)
+        assert start is not None
+        self.assertEqual((start.item, start.replica, start.moved), ("anywhere", b, False))
+        self.assertEqual(list(dispatch.order(2.0)), ["on-a"])
+
+    def test_a_session_goes_back_where_it_was_served(self) -> None:
+        members = replicas(2, 2)
+        dispatch: Dispatch[str] = Dispatch(members)
+        want = dispatch.want(None, frozenset(), "s")
+        first = dispatch.admit("a", NORMAL, want, 0.0)
+        again = dispatch.admit("a", NORMAL, want, 0.0)
+        assert first is not None and again is not None
+        self.assertIs(first.replica, again.replica)
+
+    def test_a_waiter_of_another_line_keeps_to_the_replicas_it_may_take_here(self) -> None:
+        a, b, c = members = replicas(1, 1, 1)
+        dispatch: Dispatch[str] = Dispatch([a, b])
+        self.assertEqual(dispatch.want_here(None), (True, None))
+        self.assertEqual(dispatch.want_here(Want(frozenset({b, c}))), (True, Want(frozenset({b}))))
+        self.assertFalse(dispatch.want_here(Want(frozenset({c})))[0])
+        self.assertEqual(len(members), 3)
+
+
+@st.composite
+def situations(draw: Any) -> tuple[list[Replica], list[tuple[str, int, int, int, bool]], float]:
+    """Replicas (limits, held, some down), and waiters: client, class, among, avoid, retry."""
+    members = replicas(*draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    for member in members:
+        member.held = draw(st.integers(0, member.limit))
+        if draw(st.booleans()) and draw(st.booleans()):
+            member.circuit.state = DOWN
+            member.circuit.retry_at = draw(st.sampled_from([None, 0.0, 10.0]))
+    masks = st.integers(0, 2 ** len(members) - 1)
+    waiters = draw(
+        st.lists(
+            st.tuples(st.sampled_from("abc"), st.integers(0, 2), masks, masks, st.booleans()),
+            max_size=12,
+        )
+    )
+    return members, waiters, draw(st.sampled_from([1.0, 5.0]))
+
+
+class NextIsTheFirstInOrderThatMayStart(TestCase):
+    @settings(max_examples=300)
+    @given(situations())
+    def test_any_situation(
+        self, situation: tuple[list[Replica], list[tuple[str, int, int, int, bool]], float]
+    ) -> None:
+        members, waiters, now = situation
+        dispatch: Dispatch[int] = Dispatch(members, aging=2.0)
+        for n, (client, rank, among, avoid, retry) in enumerate(waiters):
+            pick = lambda mask: frozenset(m for i, m in enumerate(members) if mask >> i & 1)  # noqa: E731
+            want = dispatch.want(pick(among) or None, pick(avoid), None)
+            dispatch.join(n, client, rank, n * 0.5, want, retry)
+        while True:
+            order = list(dispatch.order(now))
+            may = [n for n in order if dispatch.open_for(dispatch.want_of(n), now)]
+            start = dispatch.next(now)
+            if not may:
+                self.assertIsNone(start)
+                break
+            assert start is not None
+            self.assertEqual(start.item, may[0])
+            self.assertLessEqual(start.replica.held, start.replica.usable)
+            self.assertNotIn(start.item, dispatch)
+            self.assertEqual(len(dispatch), len(order) - 1)

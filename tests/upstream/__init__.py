@@ -1,0 +1,1 @@
+"""Tests of the upstream client and its connections (`homelab_gateway.upstream`)."""
