@@ -4,10 +4,10 @@ CPython's cyclic collector runs a young collection every `threshold[0]` net allo
 container objects and, now and then, a full one that walks every tracked object. Everything
 start-up built (modules, Twisted, the config, the site) lives until exit, and every waiting
 request's objects (Request, channel, headers, Deferreds, timers, record) live for its whole
-wait: at 5,000 waiters full collections walk them all again and again (`python -m bench.burst`
-with the collector's time read through `gc.callbacks`: docs/performance.md). `gc.freeze()` moves what start-up built out of every collection, and
-larger thresholds make collections rarer; reference counting still frees almost everything at
-once, the collector is only for cycles.
+wait: at 5,000 waiters full collections walk them all again and again (`python -m bench.burst`,
+the collector's time read through `gc.callbacks`: docs/performance.md). `gc.freeze()` moves
+what start-up built out of every collection, and larger thresholds make collections rarer;
+reference counting still frees almost everything at once, the collector is only for cycles.
 """
 
 from __future__ import annotations

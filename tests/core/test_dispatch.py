@@ -67,6 +67,15 @@ class Decisions(TestCase):
         self.assertEqual((start.item, start.replica, start.moved), ("anywhere", b, False))
         self.assertEqual(list(dispatch.order(2.0)), ["on-a"])
 
+    def test_a_waiter_kept_to_replicas_this_line_has_none_of_never_starts(self) -> None:
+        """A shared line's waiter named upstreams this gateway's line does not have (its
+        config differs): it may take nothing here, not anything."""
+        dispatch: Dispatch[str] = Dispatch(replicas(1, 1))
+        nothing = dispatch.want(frozenset(), frozenset(), None)
+        self.assertIsNone(dispatch.admit("x", NORMAL, nothing, 0.0))
+        dispatch.join("x1", "x", NORMAL, 0.0, nothing, False)
+        self.assertIsNone(dispatch.next(0.0))
+
     def test_a_session_goes_back_where_it_was_served(self) -> None:
         members = replicas(2, 2)
         dispatch: Dispatch[str] = Dispatch(members)

@@ -1,1 +1,1 @@
-"""Tests of the line's Twisted side (`homelab_gateway.line`) and of the line's order driven through it."""
+"""Tests of the line's Twisted side (`homelab_gateway.line`), the line's order through it."""

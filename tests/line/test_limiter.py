@@ -9,6 +9,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.core import line as line_module
+from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import CLASS_RANK
 from homelab_gateway.line.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
 from tests.helpers import SoonerResetClock
@@ -289,6 +290,24 @@ class Rises(TestCase):
         self.assertEqual((a1, b1, a2, b2), ([1, 2], [2, 1], [3], [4]))
         self.clock.advance(0.5)
         self.assertEqual((a1, a2, b2), ([1, 2], [3], [4, 1]))
+
+    def test_a_release_after_a_reload_moved_its_replica_tells_the_rise_in_the_old_line(
+        self,
+    ) -> None:
+        """a's slot on r1 was held 10 s; a reload moved r1 to a new line meanwhile. The settle
+        still moves a's waiter behind b's in the old line, which must say so at once."""
+        r0, r1 = Replica("r0", 1), Replica("r1", 1)
+        sem = self.sem = PositionedSemaphore([r0, r1], self.clock, report_interval=0.5)
+        on_r1 = self.successResultOf(sem.acquire_in_line(client="a", among=frozenset({r1})))
+        self.successResultOf(sem.acquire_in_line(client="b", among=frozenset({r0})))
+        (_, a1), (_, b1) = self.waiter("a"), self.waiter("b")
+        self.assertEqual((a1, b1), ([1], [2]))
+        moved = PositionedSemaphore([r1], self.clock, report_interval=0.5)
+        self.addCleanup(moved.close)
+        self.clock.advance(10)
+        on_r1.release()
+        self.assertEqual((a1, b1), ([1, 2], [2]), "a now owes 9 s more than b")
+        self.assertEqual(r1.held, 0)
 
     def test_a_plain_fifo_walks_the_line_only_in_the_coalesced_pass(self) -> None:
         """One client, one class: arrivals, grants and cancels walk nothing; one pass walks once."""

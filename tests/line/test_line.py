@@ -272,6 +272,19 @@ class GoesLast(TestCase):
         line.join(2000, "client-7", NORMAL, 2.0)  # a second waiter starts after V
         self.assertFalse(line.is_last(2000, 2.0))
 
+    def test_a_client_that_comes_back_behind_a_newer_one_goes_last_without_a_walk(self) -> None:
+        """p stays in the table (it owed when it went idle); q, newer, was served since, so V
+        passed p's finish. p's newcomer arrived last and alone at that moment: it is last."""
+        line: Line[str] = Line()
+        line.admit("p", NORMAL, 0.0)
+        line.admit("q", NORMAL, 0.0)
+        line.join("q1", "q", NORMAL, 1.0)
+        line.grant(1.0)
+        line.join("s1", "s", NORMAL, 2.0)
+        line.join("p1", "p", NORMAL, 3.0)
+        self.assertEqual(list(line.order(3.0)), ["s1", "p1"])
+        self.assertTrue(line.is_last("p1", 3.0))
+
 
 @dataclass
 class Sim:

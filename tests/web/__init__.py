@@ -1,1 +1,1 @@
-"""Tests of the web layer (`homelab_gateway.web`): the status page, the edges of HTTP, the dashboard."""
+"""Tests of the web layer (`homelab_gateway.web`): the status page, HTTP's edges, the dashboard."""

@@ -29,8 +29,8 @@ from tests.helpers import (
     wait_for,
 )
 from tests.surfaces.test_llm import LLMSurface
-from tests.test_operations import metric
 from tests.surfaces.test_proxy import async_test
+from tests.test_operations import metric
 
 
 class NonFiniteNumbers(LLMSurface):

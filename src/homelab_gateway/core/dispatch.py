@@ -113,7 +113,7 @@ class Dispatch(Generic[T]):
         """What a waiter may take; None for any replica of the line, no session."""
         if among is not None and len(among) == len(self.members):
             among = None
-        return Want(among, avoid, session) if among or avoid or session else None
+        return Want(among, avoid, session) if among is not None or avoid or session else None
 
     def want_of(self, item: T) -> Want | None:
         return self._wants.get(item)

@@ -144,10 +144,12 @@ class Line(Generic[T]):
         self._owing: list[tuple[int, float, float, int, int, int, _Fifo]] = []
         self._ages: list[tuple[float, int, Waiter[T]]] = []  # (moment, stamp, waiter)
         self._now = -math.inf  # the latest `now` seen: the heads' classes are those at it
-        # For `is_last`: clients waiting more than once, waiters per class, latest arrival.
+        # For `is_last`: clients waiting more than once, waiters per class, the latest arrival
+        # and how many joined at it.
         self._crowded = 0
         self._by_rank = [0] * len(CLASSES)
         self._latest = -math.inf
+        self._at_latest = 0
 
     def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
         """New aging and weights (config reload): waiters keep their place in their queues; the
@@ -210,7 +212,10 @@ class Line(Generic[T]):
         if state.waiting == 2:
             self._crowded += 1
         self._by_rank[rank] += 1
-        self._latest = max(self._latest, now)
+        if now > self._latest:
+            self._latest, self._at_latest = now, 1
+        elif now == self._latest:
+            self._at_latest += 1
 
     def leave(self, item: T) -> bool:
         """Remove a waiter that gave up (cancelled, timed out). True if that may have moved
@@ -422,7 +427,9 @@ class Line(Generic[T]):
         if self._crowded or waiter.arrived < self._latest:
             return False
         rank = served_as(waiter.rank, waiter.arrived, self._at(now), self.aging)
-        if any(self._by_rank[rank + 1 :]) or next(reversed(self._clients)) != waiter.client:
+        if any(self._by_rank[rank + 1 :]):
+            return False
+        if self._at_latest > 1 and next(reversed(self._clients)) != waiter.client:
             return False
         self._least()  # drops the stale and the caught-up from `_owing`
         return not self._owing

@@ -313,7 +313,9 @@ class PositionedSemaphore(DeferredSemaphore):
         self.waiting.append(item)
 
     def wait(self, item: Any, request: Request, arrived: float, now: float) -> None:
-        """`item` waits: it is told its place, and those it went ahead of theirs."""
+        """`item` waits: it is told its place, and those it went ahead of theirs. In a plain
+        FIFO its place is the line's length, with no walk of the order (`python -m bench.burst`:
+        5,000 waiters of one client would otherwise walk it once each)."""
         self.enqueue(item, request, arrived)
         if request.listener is not None:
             self._listeners[item] = request.listener
@@ -357,7 +359,12 @@ class PositionedSemaphore(DeferredSemaphore):
         moved = self.line.settle(slot.grant, held)
         line = slot.line()
         line.holds.add(held)
-        moved = line.source.grant_free() or (moved and line is self)
+        if line is not self:  # a reload moved the replica: the settle may have moved ours
+            if moved:
+                self.tell_rises(now)
+            self.changed()
+            moved = False
+        moved = line.source.grant_free() or moved
         line.count()
         if moved:
             line.tell_rises(now)

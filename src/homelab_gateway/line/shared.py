@@ -493,7 +493,9 @@ class RedisSource:
         line = self.line
         now = self.clock.seconds()
         share = self.cluster.config.fallback_share
-        staying = [self._waiting_entry(d) for d in line.dispatch.order(now) if self._waits_here(d)]
+        staying = [
+            self._waiting_entry(d, now) for d in line.dispatch.order(now) if self._waits_here(d)
+        ]
         local, self._local = self._local, {}
         self._requests.clear()
         self._cancelled.clear()
@@ -515,12 +517,14 @@ class RedisSource:
         w = self._ids.get(item)
         return w is not None and self._local.get(w) is item and w not in self._cancelled
 
-    def _waiting_entry(self, d: Any) -> tuple[Any, Request, float]:
+    def _waiting_entry(self, d: Any, now: float) -> tuple[Any, Request, float]:
         """One of this gateway's waiters, to move between the shared line and the fallback
-        share in its place: what it asked for and when it arrived."""
+        share in its place: what it asked for and when it arrived (a retry: now, its place
+        is ahead of the line)."""
         dispatch = self.line.dispatch
         client, rank, arrived, retry = dispatch.arrival(d)
-        return d, Request(client, rank, dispatch.want_of(d), retry, None), arrived
+        request = Request(client, rank, dispatch.want_of(d), retry, None)
+        return d, request, now if retry else arrived
 
     def rebuild(
         self, now: float, waiting: Mapping[str, str], slots: Mapping[str, Mapping[str, str]]
@@ -531,7 +535,9 @@ class RedisSource:
         line = self.line
         self.clock.offset = now - self.reactor.seconds()
         waited = (
-            [] if self.cluster.live else [self._waiting_entry(d) for d in line.dispatch.order(now)]
+            []
+            if self.cluster.live
+            else [self._waiting_entry(d, now) for d in line.dispatch.order(now)]
         )
         for member in line.members:
             member.share = None
@@ -585,7 +591,10 @@ class RedisSource:
                 continue
             request.want = want
             item = source._items.get(w)
-            arrived = old.dispatch.arrival(item)[2] if item in old.dispatch else None
+            arrived = None
+            if item in old.dispatch:
+                *_, arrived, retry = old.dispatch.arrival(item)
+                arrived = None if retry else arrived  # a retry's place is ahead of the line
             source._give_up(w)
             self.line.take_listener(old, d)
             self.line.take_over(old, d)
