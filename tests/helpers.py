@@ -336,6 +336,9 @@ class FakeCluster:
     def new_id(self) -> str:
         return f"{self.instance}/{next(self._ids)}"
 
+    def running(self, w: str) -> bool:
+        return False
+
     def line_call(self, line: Any, script: str, *args: Any) -> Deferred[Any]:
         if script == "grant":
             d: Deferred[Any] = Deferred()

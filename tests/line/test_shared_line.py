@@ -371,6 +371,38 @@ class SharedOnly(TestCase):
         self.assertEqual((a.in_use, b.in_use, len(a.waiting)), (0, 0, 0))
 
     @async_test
+    async def test_events_read_before_a_new_lines_snapshot_are_applied_after_it(self) -> None:
+        """A reload's new line asks Redis for its snapshot and its waiters join at once: the
+        joins' events can be read before the snapshot's answer, which does not count them."""
+        (old,) = await self.backend.start(self, 1, 1)
+        held = Waiter(old, "held")
+        await self.backend.settle()
+        waiter = Waiter(old, "waiter")
+        await self.backend.settle()
+        cluster = self.backend.clusters[0]
+        evaluate = cluster._eval
+
+        async def snapshot_late(name: str, keys: Any, args: Any) -> Any:
+            reply = await evaluate(name, keys, args)
+            if name == "snapshot":  # not before the reader has read the events after it:
+                seq = int(reply[0])  # held-b's admit, the waiter's leave of old and its join
+                await wait_for(lambda: cluster._seq >= seq + 3, what="the join's event read")
+            return reply
+
+        cluster._eval = snapshot_late  # type: ignore[method-assign]
+        new = shared_line(
+            [old.members[0], Replica("vllm-b", 1)], reactor, cluster=cluster, report_interval=REPORT
+        )
+        self.addCleanup(new.close)
+        held_b = Waiter(new, "held-b")  # vllm-b's slot, so that the adopted waiter must wait
+        new.adopt(old)
+        await self.backend.settle()
+        self.assertIsNotNone(held_b.slot)
+        self.assertEqual((len(new.waiting), waiter.positions[-1]), (1, 1))
+        held.slot.release()  # type: ignore[union-attr]
+        await wait_for(lambda: waiter.slot is not None, what="the adopted waiter's slot")
+
+    @async_test
     async def test_a_reload_that_gives_the_model_a_second_upstream_moves_the_waiters(
         self,
     ) -> None:

@@ -61,6 +61,9 @@ class Cluster:
         # leftovers of its previous life are swept, not mistaken for its own.
         self.instance = f"{config.instance}/{secrets.token_hex(4)}"
         self.lines: dict[str, RedisSource] = {}
+        # New lines whose snapshot is on its way, and the events read for them meanwhile:
+        # those the snapshot does not count yet are applied after it.
+        self._awaiting: dict[RedisSource, list[dict[str, Any]]] = {}
         self._calls: dict[str, tuple[list[str], list[Any]]] = {}  # a line's script keys, args
         self.live = False
         self.lost_at: float | None = None
@@ -88,6 +91,11 @@ class Cluster:
     def new_id(self) -> str:
         self._n += 1
         return f"{self.instance}/{self._n}"
+
+    def running(self, w: str) -> bool:
+        """Whether a request of this gateway runs on slot `w`, in any of its lines (a reload
+        may have moved the slot's upstream to a new line, whose copy then learns it)."""
+        return any(line.runs(w) for line in self.lines.values())
 
     def start(self) -> None:
         self._running = True
@@ -244,6 +252,7 @@ class Cluster:
             ],
         )
         if self.live:
+            self._awaiting[line] = []
             ensureDeferred(self.rebuild([line])).addErrback(self._not_rebuilt)
 
     def _line_keys(self, line: RedisSource) -> tuple[str, list[str]]:
@@ -278,6 +287,11 @@ class Cluster:
             slots = {name: _pairs(next(hashes)) for name in line.member_names}
             line.since = seq
             line.rebuild(now, waiting, slots)
+            later = [e for e in self._awaiting.pop(line, ()) if int(e["n"]) > seq]
+            for event in later:
+                line.apply(event)
+            if later:
+                line.applied()
 
     async def _follow(self) -> None:
         """Replay the stream into the lines, in its order, until the link fails."""
@@ -306,7 +320,9 @@ class Cluster:
                     break
                 self._seq, self._last_id = n, entry_id
                 line = self.lines.get(event["l"])
-                if line is not None and n > line.since:
+                if line in self._awaiting:
+                    self._awaiting[line].append(event)  # type: ignore[index]
+                elif line is not None and n > line.since:
                     line.apply(event)
                     touched[line] = None
             for line in touched:

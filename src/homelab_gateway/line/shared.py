@@ -150,6 +150,10 @@ class RedisSource:
     def refresh(self) -> None:
         self.line.refresh()
 
+    def runs(self, w: str) -> bool:
+        """Whether a request of this gateway holds slot `w` through this line."""
+        return w in self._mine
+
     # -- this gateway's requests ---------------------------------------------------------------
 
     def ask(self, request: Request) -> Deferred[Slot]:
@@ -558,7 +562,7 @@ class RedisSource:
                         self._mine[w] = slot
                         self._requests.pop(w, None)
                         d.callback(slot)
-                    else:
+                    elif not self.cluster.running(w):  # its request is gone: give it back
                         self._mine[w] = slot
                         slot.release()
         for w, slot in self._mine.items():
