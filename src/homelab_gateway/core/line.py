@@ -455,7 +455,7 @@ class Line(Generic[T]):
         grow); children enter when their parent leaves, so each heap's order is kept. An entry
         whose key grew goes back under its true key; the FIFOs the replay took from, and the
         clients it charged, are kept aside (`taken`, `finish`)."""
-        virtual = self._virtual
+        virtual, aging = self._virtual, self.aging
         at_v, owing = self._at_v, self._owing
         finish: dict[int, float] = {}  # id of a client charged in the replay -> its finish
         taken: dict[int, int] = {}  # id of a FIFO the replay took from -> how many
@@ -490,37 +490,47 @@ class Line(Generic[T]):
         while frontier:
             top = frontier[0]
             source, where = top[6], top[7]
-            if source == 2:
-                assert isinstance(where, _Fifo)
-                queue, at = where, taken[id(where)]
+            if source == 2:  # a FIFO the replay moved on: its class and arrival are exact
+                queue = where  # type: ignore[assignment]
+                at = taken[id(queue)]
+                state = queue.client
+                start = max(virtual, finish.get(id(state), state.finish))
+                if start != top[1]:  # its client was charged meanwhile: back under its start
+                    tick += 1
+                    heapq.heapreplace(frontier, (top[0], start, *top[2:5], tick, 2, queue))
+                    continue
+                key = top
             else:
                 heapq.heappop(frontier)
-                assert isinstance(where, int)
-                reach(source, 2 * where + 1)
-                reach(source, 2 * where + 2)
-                entry = (owing if source else at_v)[where]
+                reach(source, 2 * where + 1)  # type: ignore[operator]
+                reach(source, 2 * where + 2)  # type: ignore[operator]
+                entry = (owing if source else at_v)[where]  # type: ignore[index]
                 queue, at = entry[-1], 0
                 if entry[-2] != queue.stamp or id(queue) in taken:  # stale, or replayed aside
                     continue
-            key = keyed(queue, at)
-            if key > top[:5]:  # its start moved on (or its bound was low): back under it
-                tick += 1
-                if source == 2:
-                    heapq.heapreplace(frontier, (*key, tick, 2, queue))
-                else:
+                key = keyed(queue, at)
+                if key > top[:5]:  # its bound was low: back under its true key
+                    tick += 1
                     heapq.heappush(frontier, (*key, tick, 2, queue))
-                taken.setdefault(id(queue), 0)
-                continue
-            if source == 2:
-                heapq.heappop(frontier)
+                    taken[id(queue)] = 0
+                    continue
             yield queue[at].item
             state = queue.client
             virtual = key[1]
             finish[id(state)] = key[1] + state.estimate / state.weight
             taken[id(queue)] = at + 1
-            if at + 1 < len(queue):
+            if at + 1 < len(queue):  # its next waiter takes its place (still the top, if 2)
                 tick += 1
-                heapq.heappush(frontier, (*keyed(queue, at + 1), tick, 2, queue))
+                after = queue[at + 1]
+                rank = served_as(after.rank, after.arrived, now, aging)
+                start = virtual if virtual > finish[id(state)] else finish[id(state)]
+                entry = (rank, start, after.arrived, state.seq, queue.seq, tick, 2, queue)
+                if source == 2:
+                    heapq.heapreplace(frontier, entry)
+                else:
+                    heapq.heappush(frontier, entry)
+            elif source == 2:
+                heapq.heappop(frontier)
 
     def next_aging(self, now: float) -> float | None:
         """The first moment after `now` at which some waiter is served as a better class, if
