@@ -275,3 +275,21 @@ class AJoinThatFails(TestCase):
         )
         self.failureResultOf(self.line.acquire_in_line(), Unavailable)
         self.assertEqual(self.source._cancelled, set())
+
+
+class ALinkThatGoesDownMidBatch(TestCase):
+    """The reader replays the batch it has read even once the link is marked down (a clean
+    stop): what it replays grants nothing here, where the copy holds other gateways' waiters."""
+
+    def test_a_replayed_release_grants_no_other_gateways_waiter(self) -> None:
+        cluster = FakeCluster()
+        line = shared_line([Replica("r0", 1)], Clock(), cluster=cluster)  # type: ignore[arg-type]
+        source = source_of(line)
+        info = orjson.dumps({"c": "a", "k": 1})
+        source.apply({"op": "admit", "w": "there/1/1", "r": "r0", "i": info, "t": "1.0"})
+        source.apply({"op": "join", "w": "there/1/2", "i": info, "a": "1.0", "t": "1.0"})
+        source.applied()
+        cluster.live = False
+        source.apply({"op": "release", "w": "there/1/1", "t": "2.0"})
+        source.applied()
+        self.assertEqual((len(line.waiting), line.in_use), (1, 0))

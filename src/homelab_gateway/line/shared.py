@@ -271,11 +271,13 @@ class RedisSource:
     def grant_free(self) -> bool:
         """Slots are granted by Redis: claim what this copy shows free (after a batch of
         events, not in its middle). Never moves anyone itself. Cut off from Redis, the
-        fallback share is granted here, as in process."""
+        fallback share is granted here, as in process; never in a batch being replayed, whose
+        copy may hold other gateways' waiters while the link is going down."""
+        if self._replaying:
+            return False
         if not self.cluster.live:
             return self.fallback.grant_free()
-        if not self._replaying:
-            self._claim()
+        self._claim()
         return False
 
     def _fallback_slot(self, slot: Slot) -> None:
