@@ -113,7 +113,9 @@ class OverRedis:
 
     def _caught_up(self, seq: int) -> bool:
         return all(
-            c._seq >= seq and not any(line._claiming for line in c.lines.values())
+            c._seq >= seq
+            and not c._awaiting  # a new line's snapshot, and the events kept for after it
+            and not any(line._claiming for line in c.lines.values())
             for c in self.clusters
             if c.live
         )
