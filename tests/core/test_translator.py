@@ -23,7 +23,7 @@ from homelab_gateway.core.translator import (
     StreamTranslator,
     UpstreamDecoder,
 )
-from tests.grammar import check_stream
+from tests.grammar import PROMPT_USAGE, check_stream
 
 
 def chunk(
@@ -78,10 +78,12 @@ def run(
     return events
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, int]:
+def usage(
+    input_tokens: int, output_tokens: int, cached: int = 0, created: int = 0
+) -> dict[str, int]:
     return {
         "input_tokens": input_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": cached,
         "output_tokens": output_tokens,
     }
@@ -772,6 +774,93 @@ def test_older_llama_cpp_timings_cache_n_counts_as_cache_reads() -> None:
     }
     events = run([ROLE, chunk({"content": "Hi"}, "stop"), final])
     assert events[-2]["usage"] == usage(12, 39, cached=40)
+
+
+# vLLM 0.32 also reports the prompt tokens it wrote into its prefix cache
+# (PromptTokenUsageInfo.created_cache_tokens), on every usage chunk; its own Anthropic endpoint
+# (vllm/entrypoints/anthropic/serving.py, _build_anthropic_usage) takes both out of input_tokens.
+VLLM_CREATED_USAGE = {
+    "prompt_tokens": 2100,
+    "total_tokens": 2139,
+    "completion_tokens": 39,
+    "prompt_tokens_details": {"cached_tokens": 1024, "created_cache_tokens": 1056},
+}
+
+
+def test_cache_writes_are_split_out_of_input_tokens_everywhere() -> None:
+    first = chunk({"role": "assistant", "content": ""}, usage=VLLM_CREATED_USAGE)
+    events = run([first, chunk({"content": "Hi"}, "stop", usage=VLLM_CREATED_USAGE)])
+    assert check_stream(events) == "complete"
+    assert events[0]["message"]["usage"] == usage(20, 39, cached=1024, created=1056)
+    assert events[-2]["usage"] == usage(20, 39, cached=1024, created=1056)
+    builder = MessageBuilder()
+    builder.add(events)
+    assert builder.message()["usage"] == usage(20, 39, cached=1024, created=1056)
+
+
+def test_cache_writes_on_the_last_usage_chunk_only() -> None:
+    last = {"id": "chatcmpl-1", "choices": [], "usage": VLLM_CREATED_USAGE}
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), last])
+    assert events[0]["message"]["usage"] == usage(7, 0)
+    assert events[-2]["usage"] == usage(20, 39, cached=1024, created=1056)
+
+
+def test_a_cold_prompt_is_all_cache_writes() -> None:
+    details = {"cached_tokens": 0, "created_cache_tokens": 2096}  # whole 16-token blocks
+    final = {"choices": [], "usage": {**VLLM_CREATED_USAGE, "prompt_tokens_details": details}}
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), final])
+    assert events[-2]["usage"] == usage(4, 39, created=2096)
+
+
+@pytest.mark.parametrize("created", [None, "12", 1.5, -3, True, [12]])
+def test_a_missing_or_malformed_cache_write_count_is_zero(created: Any) -> None:
+    details = {"cached_tokens": 1024, "created_cache_tokens": created}
+    final = {"choices": [], "usage": {**VLLM_CREATED_USAGE, "prompt_tokens_details": details}}
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), final])
+    assert events[-2]["usage"] == usage(1076, 39, cached=1024)
+
+
+def test_a_later_chunk_without_the_count_keeps_the_one_reported() -> None:
+    bare = {**VLLM_CREATED_USAGE, "prompt_tokens_details": {"cached_tokens": 1024}}
+    first = chunk({"role": "assistant", "content": ""}, usage=VLLM_CREATED_USAGE)
+    events = run([first, chunk({"content": "Hi"}, "stop"), {"choices": [], "usage": bare}])
+    assert events[-2]["usage"] == usage(20, 39, cached=1024, created=1056)
+
+
+def test_cache_counts_past_the_prompt_never_make_input_tokens_negative() -> None:
+    details = {"cached_tokens": 1500, "created_cache_tokens": 900}  # 2400 of a 2100 prompt
+    final = {"choices": [], "usage": {**VLLM_CREATED_USAGE, "prompt_tokens_details": details}}
+    events = run([ROLE, chunk({"content": "Hi"}, "stop"), final])
+    assert events[-2]["usage"] == usage(0, 39, cached=1500, created=600)
+
+
+counts = st.integers(0, 5000)
+maybe_counts = counts | st.none() | st.just("7") | st.just(2.0) | st.just(-1) | st.just(True)
+
+
+@given(counts, maybe_counts, maybe_counts, st.booleans())
+def test_the_prompt_split_adds_up_to_the_prompt_and_is_never_negative(
+    prompt: int, cached: Any, created: Any, details_first: bool
+) -> None:
+    """Whatever the upstream puts in prompt_tokens_details, the three parts are counts that add
+    up to the prompt, in every event that reports them and in the folded message."""
+    reported = {
+        "prompt_tokens": prompt,
+        "completion_tokens": 5,
+        "total_tokens": prompt + 5,
+        "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": created},
+    }
+    first = chunk({"role": "assistant", "content": ""}, usage=reported if details_first else None)
+    events = run([first, chunk({"content": "Hi"}, "stop"), {"choices": [], "usage": reported}])
+    builder = MessageBuilder()
+    builder.add(events)
+    for split in (events[0]["message"]["usage"], events[-2]["usage"], builder.message()["usage"]):
+        assert all(type(split[k]) is int and split[k] >= 0 for k in split), split
+    final = events[-2]["usage"]
+    assert sum(final[k] for k in PROMPT_USAGE) == prompt
+    reads_and_writes = (final["cache_read_input_tokens"], final["cache_creation_input_tokens"])
+    if all(type(v) is int and v >= 0 for v in (cached, created)) and cached + created <= prompt:
+        assert reads_and_writes == (cached, created)  # a consistent report passes unchanged
 
 
 def test_reasoning_is_dropped_when_the_model_shows_it_only_on_request() -> None:

@@ -142,6 +142,7 @@ class StreamTranslator:
         self.message_id = message_id or new_message_id()
         self.input_tokens = input_tokens  # the whole prompt, cached or not
         self.cached_tokens = 0  # of those, read from the upstream's prefix cache
+        self.created_cache_tokens = 0  # of those, written into it (vLLM 0.32 reports them)
         self.output_tokens: int | None = None  # as reported by the upstream
         self.counted_tokens = 0  # deltas seen: the estimate when the upstream reports no usage
         self.stop_reason: str | None = None
@@ -255,14 +256,17 @@ class StreamTranslator:
         }
 
     def _input_usage(self) -> dict[str, int]:
-        """Anthropic's split of the prompt: its `input_tokens` leaves out what the cache read.
+        """Anthropic's split of the prompt: its `input_tokens` leaves out what the cache read
+        and what it wrote, as vLLM's own Anthropic endpoint does.
 
-        Local upstreams write no billed cache, so `cache_creation_input_tokens` is always 0.
+        Each part is capped by what the one before leaves of the prompt, so the three add up to
+        it and none is negative even when an upstream's counts overrun it.
         """
         cached = min(self.cached_tokens, self.input_tokens)
+        created = min(self.created_cache_tokens, self.input_tokens - cached)
         return {
-            "input_tokens": self.input_tokens - cached,
-            "cache_creation_input_tokens": 0,
+            "input_tokens": self.input_tokens - cached - created,
+            "cache_creation_input_tokens": created,
             "cache_read_input_tokens": cached,
         }
 
@@ -276,9 +280,16 @@ class StreamTranslator:
             self.input_tokens = prompt
         if _is_count(completion):
             self.output_tokens = completion
-        cached = _cached_tokens(usage)
-        if cached is not None:
-            self.cached_tokens = cached
+        # vLLM (with `--enable-prompt-tokens-details`) and llama.cpp's server both send
+        # `cached_tokens`; vLLM 0.32 adds `created_cache_tokens`. A count left out or null keeps
+        # the last one reported.
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached, created = details.get("cached_tokens"), details.get("created_cache_tokens")
+            if _is_count(cached):
+                self.cached_tokens = cached
+            if _is_count(created):
+                self.created_cache_tokens = created
 
     def _choice(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta")
@@ -411,18 +422,6 @@ def _text(value: Any) -> str:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
-    """Prompt tokens the upstream read from its prefix cache, in whichever field it uses.
-
-    vLLM (with `--enable-prompt-tokens-details`) and llama.cpp's server both send
-    `prompt_tokens_details.cached_tokens`; llama.cpp before that field only had `timings.cache_n`.
-    """
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and _is_count(details.get("cached_tokens")):
-        return details["cached_tokens"]
-    return None
 
 
 def _upstream_error(error: Any) -> tuple[str, str]:
