@@ -17,6 +17,8 @@ writes JSON (bench/results/). These are measurements, not tests: nothing here fa
                    interactive client's wait p50/p95, with named clients and then as one FIFO
   8 replicas       16 streams for one model over one paced stub replica (4 slots), then over two
                    (4 slots each, one line): tokens/s and requests/s, and how the work split
+  9 surfaces       scenario 1 through /llm/v1/chat/completions and /llm/v1/messages beside the
+                   direct stub, round by round: ratios and CPU per 1,000 tokens (bench.surfaces)
 
 `--target URL --model NAME` runs scenarios 1 and 2 against any Anthropic-compatible endpoint
 instead (e.g. another gateway), with nothing started here.
@@ -681,6 +683,10 @@ def run_local(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         report["6_burst"] = burst.run(workdir, args.burst_clients)
         report["7_fair_share"] = run_fair_share(workdir, processes, args.fair_seconds)
         report["8_replicas"] = run_replicas(workdir, processes, args.replica_streams, args.rounds)
+        print("9 surfaces ...", file=sys.stderr)
+        from bench import surfaces  # it builds on this module's clients
+
+        report["9_surfaces"] = surfaces.run(workdir, args.rounds)
         if args.profile:
             print("profile ...", file=sys.stderr)
             report["profile"] = profile_pass(workdir, gateway_config, big)

@@ -214,7 +214,7 @@ class Queue(LLMSurface):
 
     @async_test
     async def test_a_waiting_stream_awaits_through_three_coroutines(self) -> None:
-        """`answer` -> `_attempts` -> `hold_slot` -> the line's Deferred: each coroutine's
+        """`answer` -> `attempts` -> `hold_slot` -> the line's Deferred: each coroutine's
         frame is held for the whole wait, so a stream has no coroutine level of its own (its
         frame was ~0.3 KB a waiter, `python -m bench.waiters`)."""
         busy = self.fill(2)
@@ -235,7 +235,7 @@ class Queue(LLMSurface):
         while inspect.iscoroutine(awaited):
             chain.append(awaited.cr_code.co_name)
             awaited = awaited.cr_await
-        self.assertEqual(chain, ["answer", "_attempts", "hold_slot"])
+        self.assertEqual(chain, ["answer", "attempts", "hold_slot"])
         await queued.closed
         self.assertEqual(check_stream([d for _, d in queued.frames()]), "complete")
         await self.drain(busy)

@@ -45,6 +45,7 @@ from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.line.shared import shared_line
 from homelab_gateway.surfaces.messages import Messages
+from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.client import EndpointPerHost, RawHTTP, Upstream, llm_http
@@ -282,6 +283,7 @@ class Gateway:
         self.models.update(config.models)
         self.app.proxy = self._proxy(config)
         self.app.messages = self._messages(config)
+        self.app.openai = OpenAISurface(self.app.messages)
         self.app.access = self._access(config)
         self.site.limits = self._limits(config)
         self._configure_status_page(config)

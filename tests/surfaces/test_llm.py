@@ -410,7 +410,7 @@ class AsKleinWroteIt(LLMSurface):
         @before.route("/llm/v1/messages")
         def messages(request: Any) -> Any:  # the route as it was: Klein writes the answer
             return app._work(
-                request, "messages", lambda r: app.messages.answer(request, r), anthropic=True
+                request, "messages", lambda r: app.messages.answer(request, r), shape="anthropic"
             )
 
         site = GatewaySite(before.resource(), gateway.site.limits, reactor=reactor)

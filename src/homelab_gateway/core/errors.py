@@ -31,6 +31,19 @@ ERROR_TYPES = {
 
 
 RETRIED_STATUSES = frozenset({502, 503, 504})
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+"""OpenAI's error types by status; any other status is a `server_error`."""
+WAIT_REFUSED = frozenset({"rejected_queue_full", "rejected_client_queue_full", "queue_timeout"})
+"""The outcomes that mean "the line is too long for you now": a 529 on Anthropic's surface,
+and OpenAI's 429, which its SDKs retry after `retry-after`."""
 
 
 class GatewayError(Exception):
@@ -44,6 +57,9 @@ class GatewayError(Exception):
         outcome: str | None = None,
         fault: str | None = None,
         retry: bool = False,
+        param: str | None = None,
+        code: str | None = None,
+        upstream_body: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -58,12 +74,42 @@ class GatewayError(Exception):
         # to send again elsewhere (docs/configuration.md, "Replicas").
         self.fault = fault
         self.retry = retry
+        # For OpenAI's shape: the field at fault and a machine-readable code, and the body of
+        # the upstream refusal this passes on (its own status is `upstream_status`).
+        self.param = param
+        self.code = code
+        self.upstream_body = upstream_body
+        self.upstream_status: int | None = None
 
     def anthropic_body(self) -> dict[str, Any]:
         return error_event(self.error_type, self.message)
 
-    def openai_body(self) -> dict[str, Any]:
+    def plain_body(self) -> dict[str, Any]:
+        """The gateway's own answers off the LLM surfaces (proxy routes, the status page)."""
         return {"error": {"message": self.message, "type": self.error_type, "code": self.status}}
+
+    @property
+    def openai_status(self) -> int:
+        """The status on an OpenAI surface: OpenAI has no 529."""
+        if self.status == 529:
+            return 429 if self.outcome in WAIT_REFUSED else 503
+        return self.status
+
+    def openai_body(self) -> dict[str, Any]:
+        status = self.openai_status
+        code = self.code
+        if code is None and status == 429:
+            code = "rate_limit_exceeded"
+        elif code is None and status == 401:
+            code = "invalid_api_key"
+        return {
+            "error": {
+                "message": self.message,
+                "type": OPENAI_TYPES.get(status, "server_error"),
+                "param": self.param,
+                "code": code,
+            }
+        }
 
 
 def internal_error() -> GatewayError:
@@ -85,8 +131,13 @@ def shutdown_error() -> GatewayError:
 
 def upstream_http_error(status: int, body: bytes, headers_retry_after: str | None) -> GatewayError:
     """What an Anthropic client should see when the upstream refused the request with `status`."""
+    error = _upstream_http_error(status, body, _seconds(headers_retry_after))
+    error.upstream_body, error.upstream_status = body, status
+    return error
+
+
+def _upstream_http_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
     message = f"upstream answered {status}: {upstream_message(body)}"
-    retry_after = _seconds(headers_retry_after)
     if status == 429:
         return GatewayError(529, message, retry_after=retry_after)
     if status in (400, 413, 422):

@@ -35,7 +35,12 @@ PER_ATTEMPT = ("model", "priority")  # fields each attempt sets for the replica 
 
 
 class InvalidRequest(Exception):
-    """A client mistake, answered as 400 invalid_request_error with this text."""
+    """A client mistake, answered as 400 invalid_request_error with this text; `param` names
+    the field for the surfaces whose errors carry it apart (OpenAI's)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +113,10 @@ def tokenize_request(body: Mapping[str, Any]) -> bytes:
 def request_model(body: Any) -> str:
     """The client's model name, checked first so an unknown model can be a 404."""
     if not isinstance(body, Mapping):
-        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}")
+        raise InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest(f"model: must be a non-empty string, got {_kind(model)}")
+        raise InvalidRequest(f"model: must be a non-empty string, got {kind_of(model)}")
     return model
 
 
@@ -157,7 +162,7 @@ def map_request(
             messages.append({"role": "system", "content": text})
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list):
-        raise InvalidRequest(f"messages: must be a non-empty array, got {_kind(raw_messages)}")
+        raise InvalidRequest(f"messages: must be a non-empty array, got {kind_of(raw_messages)}")
     if not raw_messages:
         raise InvalidRequest("messages: must be a non-empty array, got an empty array")
     previous_tool_ids: set[str] = set()
@@ -168,12 +173,12 @@ def map_request(
     max_tokens = body.get("max_tokens")
     if max_tokens is not None or not count_only:
         if not _is_int(max_tokens) or max_tokens < 1:
-            raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {_kind(max_tokens)}")
+            raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {kind_of(max_tokens)}")
         out["max_tokens"] = min(max_tokens, model.max_tokens or max_tokens)
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise InvalidRequest(f"stream: must be a boolean, got {_kind(stream)}")
+        raise InvalidRequest(f"stream: must be a boolean, got {kind_of(stream)}")
     out["stream"] = True  # always: one translation path, and idle/cancel work mid-generation
     out["stream_options"] = {"include_usage": True}
     if continuous_usage_stats:
@@ -183,12 +188,12 @@ def map_request(
         value = body.get(name)
         if value is not None:
             if not _is_number(value) or value < 0:
-                raise InvalidRequest(f"{name}: must be a number >= 0, got {_kind(value)}")
+                raise InvalidRequest(f"{name}: must be a number >= 0, got {kind_of(value)}")
             out[name] = value
     top_k = body.get("top_k")
     if top_k is not None:
         if not _is_int(top_k) or top_k < 0:
-            raise InvalidRequest(f"top_k: must be an integer >= 0, got {_kind(top_k)}")
+            raise InvalidRequest(f"top_k: must be an integer >= 0, got {kind_of(top_k)}")
         out["top_k"] = top_k
 
     stop_sequences = _stop_sequences(body.get("stop_sequences"))
@@ -198,11 +203,11 @@ def map_request(
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, Mapping):
-            raise InvalidRequest(f"metadata: must be an object, got {_kind(metadata)}")
+            raise InvalidRequest(f"metadata: must be an object, got {kind_of(metadata)}")
         user_id = metadata.get("user_id")
         if user_id is not None:
             if not isinstance(user_id, str):
-                raise InvalidRequest(f"metadata.user_id: must be a string, got {_kind(user_id)}")
+                raise InvalidRequest(f"metadata.user_id: must be a string, got {kind_of(user_id)}")
             out["user"] = user_id
 
     tools = body.get("tools")
@@ -219,7 +224,7 @@ def map_request(
     return MappedRequest(
         model=replace_lone_surrogates(client_model),  # echoed in the answer, which is UTF-8
         stream=stream,
-        body=_merge(model.params, out),
+        body=merge(model.params, out),
         stop_sequences=stop_sequences,
         estimated_input_tokens=estimate,
         show_reasoning=model.show_reasoning == "always" or thinking,
@@ -235,7 +240,7 @@ def _message(
 ) -> set[str]:
     """Append the OpenAI messages for one Anthropic message; return the tool ids it calls."""
     if not isinstance(message, Mapping):
-        raise InvalidRequest(f"{where}: must be an object, got {_kind(message)}")
+        raise InvalidRequest(f"{where}: must be an object, got {kind_of(message)}")
     role = message.get("role")
     content = message.get("content")
     if role == "system":  # Claude Code sends these inside messages; vLLM takes them in place
@@ -244,12 +249,14 @@ def _message(
             out.append({"role": "system", "content": text})
         return previous_tool_ids
     if role not in ("user", "assistant"):
-        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant', got {_kind(role)}")
+        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant', got {kind_of(role)}")
     if isinstance(content, str):
         out.append({"role": role, "content": content})
         return set()
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content: must be a string or an array, got {_kind(content)}")
+        raise InvalidRequest(
+            f"{where}.content: must be a string or an array, got {kind_of(content)}"
+        )
     if role == "assistant":
         return _assistant(content, f"{where}.content", out)
     _user(content, f"{where}.content", previous_tool_ids, out)
@@ -269,7 +276,7 @@ def _assistant(blocks: list[Any], where: str, out: list[dict[str, Any]]) -> set[
             arguments = block.get("input", {})
             if not isinstance(arguments, Mapping):
                 raise InvalidRequest(
-                    f"{where}.{j}.input: must be an object, got {_kind(arguments)}"
+                    f"{where}.{j}.input: must be an object, got {kind_of(arguments)}"
                 )
             calls.append(
                 {
@@ -326,7 +333,7 @@ def _tool_result_content(content: Any, where: str) -> tuple[str, list[dict[str, 
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}: must be a string or an array, got {_kind(content)}")
+        raise InvalidRequest(f"{where}: must be a string or an array, got {kind_of(content)}")
     text: list[str] = []
     images: list[dict[str, Any]] = []
     for k, block in enumerate(content):
@@ -343,7 +350,7 @@ def _tool_result_content(content: Any, where: str) -> tuple[str, list[dict[str, 
 def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     source = block.get("source")
     if not isinstance(source, Mapping):
-        raise InvalidRequest(f"{where}.source: must be an object, got {_kind(source)}")
+        raise InvalidRequest(f"{where}.source: must be an object, got {kind_of(source)}")
     kind = source.get("type")
     if kind == "url":
         url = _string(source, "url", f"{where}.source", nonempty=True)
@@ -351,7 +358,7 @@ def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise InvalidRequest(f"{where}.source.url: must be an http(s) URL")
         return {"type": "image_url", "image_url": {"url": url}}
     if kind != "base64":
-        raise InvalidRequest(f"{where}.source.type: must be 'base64' or 'url', got {_kind(kind)}")
+        raise InvalidRequest(f"{where}.source.type: must be 'base64' or 'url', got {kind_of(kind)}")
     media_type = source.get("media_type")
     if media_type not in IMAGE_MEDIA_TYPES:
         allowed = ", ".join(sorted(IMAGE_MEDIA_TYPES))
@@ -387,12 +394,12 @@ def _system_text(system: Any, where: str, *, strip: bool) -> str | None:
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
-        raise InvalidRequest(f"tools: must be an array, got {_kind(tools)}")
+        raise InvalidRequest(f"tools: must be an array, got {kind_of(tools)}")
     out = []
     for i, tool in enumerate(tools):
         where = f"tools.{i}"
         if not isinstance(tool, Mapping):
-            raise InvalidRequest(f"{where}: must be an object, got {_kind(tool)}")
+            raise InvalidRequest(f"{where}: must be an object, got {kind_of(tool)}")
         kind = tool.get("type", "custom")
         if kind not in ("custom", None):
             raise InvalidRequest(
@@ -402,7 +409,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         name = _string(tool, "name", where, nonempty=True)
         schema = tool.get("input_schema")
         if not isinstance(schema, Mapping):
-            raise InvalidRequest(f"{where}.input_schema: must be an object, got {_kind(schema)}")
+            raise InvalidRequest(f"{where}.input_schema: must be an object, got {kind_of(schema)}")
         function: dict[str, Any] = {"name": name, "parameters": dict(schema)}
         description = tool.get("description")
         if description is not None:
@@ -413,7 +420,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
     if not isinstance(choice, Mapping):
-        raise InvalidRequest(f"tool_choice: must be an object, got {_kind(choice)}")
+        raise InvalidRequest(f"tool_choice: must be an object, got {kind_of(choice)}")
     kind = choice.get("type")
     if kind == "tool":
         name = _string(choice, "name", "tool_choice", nonempty=True)
@@ -422,7 +429,7 @@ def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
         out["tool_choice"] = TOOL_CHOICES[kind]
     else:
         raise InvalidRequest(
-            f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {_kind(kind)}"
+            f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {kind_of(kind)}"
         )
     parallel = choice.get("disable_parallel_tool_use")
     if parallel is not None:
@@ -437,16 +444,16 @@ def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> bool:
     if thinking is None:
         return False
     if not isinstance(thinking, Mapping):
-        raise InvalidRequest(f"thinking: must be an object, got {_kind(thinking)}")
+        raise InvalidRequest(f"thinking: must be an object, got {kind_of(thinking)}")
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise InvalidRequest(
-            f"thinking.type: must be 'enabled', 'disabled' or 'adaptive', got {_kind(kind)}"
+            f"thinking.type: must be 'enabled', 'disabled' or 'adaptive', got {kind_of(kind)}"
         )
     budget = thinking.get("budget_tokens")
     if budget is not None and (not _is_int(budget) or budget < 0):
         raise InvalidRequest(
-            f"thinking.budget_tokens: must be an integer >= 0, got {_kind(budget)}"
+            f"thinking.budget_tokens: must be an integer >= 0, got {kind_of(budget)}"
         )
     if model.map_thinking:
         out["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
@@ -456,7 +463,7 @@ def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> bool:
 def _output_config(config: Any, beta_format: Any, model: ModelConfig, out: dict[str, Any]) -> None:
     """`output_config` (effort, format) and the older beta spelling `output_format`."""
     if config is not None and not isinstance(config, Mapping):
-        raise InvalidRequest(f"output_config: must be an object, got {_kind(config)}")
+        raise InvalidRequest(f"output_config: must be an object, got {kind_of(config)}")
     config = config or {}
     output_format = config.get("format")
     if output_format is not None and beta_format is not None and output_format != beta_format:
@@ -472,15 +479,15 @@ def _response_format(output_format: Any, where: str) -> dict[str, Any]:
     """Anthropic's JSON-schema output as OpenAI's `response_format`, which vLLM, llama.cpp and
     Ollama all take; anything else is refused by name rather than answered in prose."""
     if not isinstance(output_format, Mapping):
-        raise InvalidRequest(f"{where}: must be an object, got {_kind(output_format)}")
+        raise InvalidRequest(f"{where}: must be an object, got {kind_of(output_format)}")
     kind = output_format.get("type")
     if kind != "json_schema":
         raise InvalidRequest(
-            f"{where}.type: only 'json_schema' can be carried upstream, got {_kind(kind)}"
+            f"{where}.type: only 'json_schema' can be carried upstream, got {kind_of(kind)}"
         )
     schema = output_format.get("schema")
     if not isinstance(schema, Mapping) or not schema:
-        raise InvalidRequest(f"{where}.schema: must be a non-empty object, got {_kind(schema)}")
+        raise InvalidRequest(f"{where}.schema: must be a non-empty object, got {kind_of(schema)}")
     unknown = sorted(set(output_format) - {"type", "schema"})
     if unknown:
         raise InvalidRequest(f"{where}.{unknown[0]}: cannot be carried to the upstream")
@@ -495,7 +502,7 @@ def _effort(effort: Any, model: ModelConfig, out: dict[str, Any]) -> None:
         return
     if effort not in EFFORTS:
         raise InvalidRequest(
-            f"output_config.effort: must be one of {', '.join(EFFORTS)}, got {_kind(effort)}"
+            f"output_config.effort: must be one of {', '.join(EFFORTS)}, got {kind_of(effort)}"
         )
     if model.map_effort:
         out["reasoning_effort"] = EFFORTS[effort]
@@ -516,10 +523,10 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
 
 def _block_type(block: Any, where: str) -> str:
     if not isinstance(block, Mapping):
-        raise InvalidRequest(f"{where}: must be an object, got {_kind(block)}")
+        raise InvalidRequest(f"{where}: must be an object, got {kind_of(block)}")
     kind = block.get("type")
     if not isinstance(kind, str):
-        raise InvalidRequest(f"{where}.type: must be a string, got {_kind(kind)}")
+        raise InvalidRequest(f"{where}.type: must be a string, got {kind_of(kind)}")
     return kind
 
 
@@ -531,7 +538,7 @@ def _string(block: Mapping[str, Any], key: str, where: str, *, nonempty: bool = 
     value = block.get(key)
     if not isinstance(value, str) or (nonempty and not value):
         wanted = "a non-empty string" if nonempty else "a string"
-        raise InvalidRequest(f"{where}.{key}: must be {wanted}, got {_kind(value)}")
+        raise InvalidRequest(f"{where}.{key}: must be {wanted}, got {kind_of(value)}")
     return value
 
 
@@ -543,7 +550,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     if value is None:
         return "nothing"
     if isinstance(value, bool):
@@ -559,13 +566,13 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _merge(defaults: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
+def merge(defaults: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
     """The model's configured params under the request's own fields: the client's value wins."""
     merged = dict(defaults)
     for key, value in request.items():
         base = merged.get(key)
         if isinstance(base, Mapping) and isinstance(value, Mapping):
-            merged[key] = _merge(base, value)
+            merged[key] = merge(base, value)
         else:
             merged[key] = value
     return merged

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.internet.defer import CancelledError
@@ -41,7 +41,7 @@ from homelab_gateway.core.mapping import (
     tokenize_request,
 )
 from homelab_gateway.core.record import RequestRecord
-from homelab_gateway.core.replicas import DOWN, UP, session_key
+from homelab_gateway.core.replicas import UP, session_key
 from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.translator import (
     Event,
@@ -53,8 +53,9 @@ from homelab_gateway.core.translator import (
     error_event,
     refuse_constant,
 )
-from homelab_gateway.line.limiter import PositionListener, Replica, Slot
-from homelab_gateway.line.pool import Pool, hold_slot
+from homelab_gateway.line.limiter import Slot
+from homelab_gateway.line.pool import Pool
+from homelab_gateway.surfaces.attempts import Retries, Target, attempts
 from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
 from homelab_gateway.web.respond import send_error, send_json
 
@@ -65,16 +66,15 @@ million-token prompt, where the 64 KiB error-body limit would cut a long prompt'
 short and fall back to the estimate."""
 PING_FRAME = encode_event({"type": "ping"})
 SESSION_HEADER = b"x-claude-code-session-id"
-CANCELLED = ("client_disconnected", "shutdown")  # outcomes InFlight sets before it cancels
-# Shared: CPython has no empty-frozenset singleton, and `frozenset()` is 216 bytes that each
-# waiting request would hold for its whole wait.
-NO_REPLICAS: frozenset[Replica] = frozenset()
 # Queue frames are the hot path while thousands wait: a template, not json.dumps. A test pins
 # it to exactly what encode_event writes for {"type": "queue", "position": n}.
 QUEUE_FRAME = b'event: queue\ndata: {"type":"queue","position":%d}\n\n'
 ESTIMATED_QUEUE_FRAME = (
     b'event: queue\ndata: {"type":"queue","position":%d,"estimated_wait_s":%.1f}\n\n'
 )
+# On the OpenAI surfaces the same JSON goes in a comment line, which every SSE parser skips.
+QUEUE_COMMENT = b': queue {"type":"queue","position":%d}\n\n'
+ESTIMATED_QUEUE_COMMENT = b': queue {"type":"queue","position":%d,"estimated_wait_s":%.1f}\n\n'
 
 
 class EventStream:
@@ -89,6 +89,7 @@ class EventStream:
     """
 
     __slots__ = (
+        "_frames",
         "_keepalive",
         "_position",
         "_timer",
@@ -99,8 +100,15 @@ class EventStream:
         "started",
     )
 
-    def __init__(self, request: IRequest, clock: IReactorTime, ping_interval: float) -> None:
+    def __init__(
+        self,
+        request: IRequest,
+        clock: IReactorTime,
+        ping_interval: float,
+        queue_frames: tuple[bytes, bytes] = (QUEUE_FRAME, ESTIMATED_QUEUE_FRAME),
+    ) -> None:
         self.request = request
+        self._frames = queue_frames  # a place's frame, without and with an estimate
         self.clock = clock
         self.ping_interval = ping_interval
         self.started = False
@@ -120,6 +128,14 @@ class EventStream:
             self._position = None
         self._write(b"".join(map(encode_event, events)))
 
+    def relay(self, data: bytes) -> None:
+        """Bytes an upstream sent, as they are (the OpenAI surfaces): no keep-alive of the
+        gateway's follows them, the upstream's own silence is its own."""
+        if data:
+            self._position = None
+            self.close()
+            self._write(data)
+
     def queue_position(self, position: int) -> None:
         self._position = position
         self._write(self._queue_frame(position))
@@ -127,8 +143,8 @@ class EventStream:
     def _queue_frame(self, position: int) -> bytes:
         estimate = self.estimator(position) if self.estimator is not None else None
         if estimate is None:
-            return QUEUE_FRAME % position
-        return ESTIMATED_QUEUE_FRAME % (position, estimate)
+            return self._frames[0] % position
+        return self._frames[1] % (position, estimate)
 
     def _write(self, frames: bytes) -> None:
         if not self.started:
@@ -165,26 +181,12 @@ class _TranslationOver(Exception):
     """The translator failed the stream: stop reading the upstream and close it at once."""
 
 
-def _finite_float(text: str) -> float:
+def finite_float(text: str) -> float:
     """`1e400` is valid JSON but overflows to infinity, which would go upstream as `Infinity`."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"the number {text[:40]} is out of range")
     return value
-
-
-def _in_rotation(pools: Iterable[Pool]) -> bool:
-    return any(p.replica.circuit.state != DOWN for p in pools)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Target:
-    """Where a request for `model` may run: its replicas, and its session (the replica that
-    served the session last has its prefix cached)."""
-
-    model: ModelConfig
-    pools: tuple[Pool, ...]
-    session: str | None
 
 
 class Messages:
@@ -208,8 +210,7 @@ class Messages:
         self.ping_interval = ping_interval
         self.write_stall_timeout = write_stall_timeout
         self.upstream_window = upstream_window
-        self.retries = retries
-        self.on_retry = on_retry  # failed upstream, fault, whether the retry may go elsewhere
+        self.retries = Retries(clock, retries, on_retry)
 
     def context_window(self, model: ModelConfig) -> int | None:
         """The model's window: what its upstream's /models says (vLLM), else the config's."""
@@ -306,7 +307,7 @@ class Messages:
         raw = request.content.read()
         request.content.close()
         try:
-            body = json.loads(raw, parse_constant=refuse_constant, parse_float=_finite_float)
+            body = json.loads(raw, parse_constant=refuse_constant, parse_float=finite_float)
             name = request_model(body)
             record.model = name
             model = find_model(self.models, name)
@@ -352,8 +353,14 @@ class Messages:
                     return send_json(request, 200, await self._whole(record, target, packed))
                 stream = EventStream(request, self.clock, self.ping_interval)
                 stream.estimator = target.pools[0].line.estimate
-                await self._attempts(
-                    record, target, packed, stream.queue_position, request, stream.send
+                await attempts(
+                    self.retries,
+                    record,
+                    target,
+                    stream.queue_position,
+                    lambda pool, fields, slot: self._relay(
+                        request, record, pool, packed, fields, stream.send, slot
+                    ),
                 )
                 return None
             except CancelledError:
@@ -377,83 +384,19 @@ class Messages:
             if stream is not None:
                 stream.close()
 
-    async def _attempts(
-        self,
-        record: RequestRecord,
-        target: Target,
-        packed: PackedRequest,
-        on_position: PositionListener | None,
-        request: IRequest | None,
-        emit: Callable[[list[Event]], None],
-    ) -> None:
-        """Hold a slot on one of the target's replicas and `_relay` the answer there into
-        `emit` (with the client's `request`, when streaming); after a failure
-        that is safe to retry (see `GatewayError.retry`: nothing reached the client and the
-        upstream cannot have run the request), again on another replica, ahead of the line.
-
-        An attempt that could not even connect costs nothing and is always retried, within the
-        request's queue_timeout: that is how a request waits out a box that restarts. Those
-        the upstream answered with a 502/503/504 are retried at most `retries` times, and only
-        on a replica not tried yet and in rotation.
-        """
-        avoid: frozenset[Replica] = NO_REPLICAS  # every replica tried: tried last, if at all
-        pools = target.pools  # less those that refused it (502/503/504): never again
-        refusal: GatewayError | None = None  # the last such refusal
-        deadline: float | None = None
-        started = self.clock.seconds()
-        answered = 0  # retried attempts that an upstream answered
-        while True:
-            slot, pool = await hold_slot(
-                pools,
-                self.clock,
-                record,
-                on_position,
-                session=target.session,
-                avoid=avoid,
-                deadline=deadline,
-            )
-            try:  # from here on, whatever happens gives the slot back
-                record.upstream = pool.upstream.name
-                fields = {
-                    "model": target.model.model_on(pool.upstream.name),
-                    **pool.upstream_fields(record),
-                }
-                await self._relay(request, record, pool, packed, fields, emit, slot)
-                return
-            except GatewayError as e:
-                if record.outcome in CANCELLED:
-                    # The cancel arrived while connecting, and Twisted reported it as the
-                    # connect failure it caused (a DNS lookup that failed): no fault of the
-                    # replica's, and nobody left to retry for.
-                    raise CancelledError() from None
-                if e.fault is not None:
-                    slot.failed(e.message)
-                fault = e.fault or ""
-                if not e.retry:
-                    raise
-                if fault == "connect" and refusal is not None and not _in_rotation(pools):
-                    # A replica refused it and the others are down: its refusal is the
-                    # answer, rather than a wait for boxes that may not come back soon.
-                    raise refusal from None
-                if fault != "connect":
-                    refusal = e
-                    pools = tuple(p for p in pools if p.replica is not slot.replica)
-                    untried = [p for p in pools if p.replica not in avoid]
-                    if answered >= self.retries or not _in_rotation(untried):
-                        raise  # an answered refusal is only worth sending to another box
-                    answered += 1
-            finally:
-                slot.release()
-            avoid = avoid | {slot.replica}
-            self.on_retry(pool.upstream.name, fault, any(p.replica not in avoid for p in pools))
-            if deadline is None:
-                deadline = started + max(p.queue_timeout for p in target.pools)
-
     async def _whole(
         self, record: RequestRecord, target: Target, packed: PackedRequest
     ) -> dict[str, Any]:
         builder = MessageBuilder()
-        await self._attempts(record, target, packed, None, None, builder.add)
+        await attempts(
+            self.retries,
+            record,
+            target,
+            None,
+            lambda pool, fields, slot: self._relay(
+                None, record, pool, packed, fields, builder.add, slot
+            ),
+        )
         try:
             return builder.message()
         except IncompleteMessage as e:

@@ -178,14 +178,14 @@ class ReverseProxy:
                     slot.release()
         except GatewayError as e:
             record.outcome = record.outcome or e.outcome
-            return send_error(request, e, anthropic=False)
+            return send_error(request, e, shape="plain")
         except CancelledError:
             if record.outcome != "shutdown":
                 raise
             if request.startedWriting:
                 request.channel.transport.abortConnection()  # cut mid-body: visibly incomplete
                 return None
-            return send_error(request, shutdown_error(), anthropic=False)
+            return send_error(request, shutdown_error(), shape="plain")
 
     async def _relay(
         self,

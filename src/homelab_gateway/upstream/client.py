@@ -250,9 +250,15 @@ class Upstream:
         self.api_key = api_key
 
     async def open(
-        self, method: str, url: str, headers: dict[bytes, list[bytes]], body: bytes | None
+        self,
+        method: str,
+        url: str,
+        headers: dict[bytes, list[bytes]],
+        body: bytes | None,
+        headers_within: float | None = None,
     ) -> IResponse:
-        """Send the request; return the response once its headers are in.
+        """Send the request; return the response once its headers are in, within
+        `headers_within` seconds (by default `connect_timeout`).
 
         Sent once more only when it provably never left (RequestNotSent): a connection that
         closed or reset after the request was written may have been read by the upstream, so
@@ -271,7 +277,8 @@ class Upstream:
             if pending is not None:
                 pending.cancel()
 
-        timer = self.clock.callLater(self.connect_timeout, give_up)
+        within = self.connect_timeout if headers_within is None else headers_within
+        timer = self.clock.callLater(within, give_up)
         try:
             for attempt in (1, 2):
                 # On a pooled connection the request is written before `request` returns: its
@@ -294,8 +301,7 @@ class Upstream:
                     if timed_out:
                         raise GatewayError(
                             504,
-                            f"upstream {self.name} sent no response headers within "
-                            f"{self.connect_timeout:g}s",
+                            f"upstream {self.name} sent no response headers within {within:g}s",
                             fault="timeout",
                         ) from None
                     if isinstance(e, CancelledError | neterror.ConnectingCancelledError) or _wraps(

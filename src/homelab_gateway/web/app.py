@@ -6,6 +6,7 @@ Handlers only choose what runs. `_work` is the one door for requests that reach 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -28,12 +29,13 @@ from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.messages import Messages
+from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ReverseProxy
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.readiness import Readiness
 from homelab_gateway.web.access import AccessPolicy
 from homelab_gateway.web.inflight import InFlight
-from homelab_gateway.web.respond import send_error, send_json
+from homelab_gateway.web.respond import Shape, send_error, send_json, shape_of
 from homelab_gateway.web.statuspage import PAGE, PAGE_FILES, StatusPage, send_asset
 
 log = Logger()
@@ -71,6 +73,7 @@ class GatewayApp:
         self.pools = pools
         self.proxy = proxy
         self.messages = messages
+        self.openai = OpenAISurface(messages)
         self.access = access
         self.inflight = inflight
         self.cluster = cluster
@@ -80,7 +83,7 @@ class GatewayApp:
         self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
 
     def _work(
-        self, request: IRequest, surface: str, work: Work, *, anthropic: bool, respond: bool = False
+        self, request: IRequest, surface: str, work: Work, *, shape: Shape, respond: bool = False
     ) -> Any:
         request_id = request.request_id  # GatewayRequest gives every answer one
         self.access.add_cors_headers(request)
@@ -91,12 +94,10 @@ class GatewayApp:
         if refusal is not None:
             record.outcome, record.status = refusal.outcome, refusal.status
             self.telemetry.finish(record)
-            return send_error(request, refusal, anthropic=anthropic)
+            return send_error(request, refusal, shape=shape)
         caller = self.access.caller(request)
         record.client, record.priority = caller.client, caller.priority
-        return self.inflight.run(
-            request, record, work(record), anthropic=anthropic, respond=respond
-        )
+        return self.inflight.run(request, record, work(record), shape=shape, respond=respond)
 
     def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
         """CORS and, where `protected`, the API key for a read-only endpoint; an answer if the
@@ -139,7 +140,30 @@ class GatewayApp:
             request,
             "messages",
             lambda r: self.messages.answer(request, r),
-            anthropic=True,
+            shape="anthropic",
+            respond=True,
+        )
+        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
+
+    @app.route("/llm/v1/chat/completions")
+    def chat_completions(self, request: IRequest) -> Any:
+        return self._openai(request, "chat")
+
+    @app.route("/llm/v1/completions")
+    def completions(self, request: IRequest) -> Any:
+        return self._openai(request, "completions")
+
+    @app.route("/llm/v1/embeddings")
+    def embeddings(self, request: IRequest) -> Any:
+        return self._openai(request, "embeddings")
+
+    def _openai(self, request: IRequest, surface: str) -> Any:
+        """An OpenAI surface: its flight answers, as the Messages route's does."""
+        answer = self._work(
+            request,
+            surface,
+            lambda r: self.openai.answer(request, r, surface),
+            shape="openai",
             respond=True,
         )
         return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
@@ -147,7 +171,7 @@ class GatewayApp:
     @app.route("/llm/v1/messages/count_tokens")
     def count_tokens(self, request: IRequest) -> Any:
         return self._work(
-            request, "count_tokens", lambda r: self._count_tokens(request, r), anthropic=True
+            request, "count_tokens", lambda r: self._count_tokens(request, r), shape="anthropic"
         )
 
     async def _count_tokens(self, request: IRequest, record: RequestRecord) -> bytes:
@@ -254,7 +278,13 @@ class GatewayApp:
                 "line": line.name,
                 "waiting": len(line.waiting),
             }
-        document: dict[str, Any] = {"upstreams": upstreams, "models": lines}
+        surfaces = Counter(record.surface for record in self.telemetry.active.values())
+        document: dict[str, Any] = {
+            "upstreams": upstreams,
+            "models": lines,
+            # Every request being handled (waiting or answered), by the surface it came in on.
+            "surfaces": {name: {"in_flight": n} for name, n in sorted(surfaces.items())},
+        }
         if self.cluster is not None:
             document["cluster"] = {
                 "instance": self.cluster.instance,
@@ -279,13 +309,13 @@ class GatewayApp:
             return stop
         if request.method != b"GET":
             request.setHeader(b"allow", b"GET")
-            return send_error(request, GatewayError(405, "use GET"), anthropic=False)
+            return send_error(request, GatewayError(405, "use GET"), shape="plain")
         return self.status_page.subscribe(request)
 
     @app.route("/status/<name>", methods=["GET", "HEAD"])
     def status_asset(self, request: IRequest, name: str) -> bytes:
         if name not in PAGE_FILES:
-            return send_error(request, GatewayError(404, "no route for this path"), anthropic=False)
+            return send_error(request, GatewayError(404, "no route for this path"), shape="plain")
         return send_asset(request, name)
 
     @app.route("/", branch=True)
@@ -306,7 +336,7 @@ class GatewayApp:
                 request.setResponseCode(308)
                 request.setHeader(b"location", target)
                 return b""
-            return send_error(request, GatewayError(404, "no route for this path"), anthropic=False)
+            return send_error(request, GatewayError(404, "no route for this path"), shape="plain")
         route, remainder = matched
         credentials = self.access.credential_headers(request)
         trusted = self.access.peer_trusted(request)
@@ -314,16 +344,15 @@ class GatewayApp:
             request,
             "proxy",
             lambda r: self.proxy.forward(request, r, route, remainder, credentials, trusted),
-            anthropic=False,
+            shape="plain",
         )
 
     @app.handle_errors(NotFound)
     def unroutable(self, request: IRequest, failure: Failure) -> bytes:
         """A path even the catch-all cannot match (werkzeug's `path` converter stops at an
         encoded newline) in the JSON shape, not werkzeug's HTML page."""
-        anthropic = request.path.startswith(b"/llm/")
         error = GatewayError(404, "no route for this path")
-        return send_error(request, error, anthropic=anthropic)
+        return send_error(request, error, shape=shape_of(request.path))
 
     @app.handle_errors(Exception)
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
@@ -333,8 +362,7 @@ class GatewayApp:
         if failure.check(HTTPException):
             failure.raiseException()  # werkzeug's routing answers stay Klein's to give
         log.failure("Unhandled error answering {path}", failure, path=request.path)
-        anthropic = request.path.startswith(b"/llm/")
-        return send_error(request, internal_error(), anthropic=anthropic)
+        return send_error(request, internal_error(), shape=shape_of(request.path))
 
 
 class AnsweredByItsFlight(Resource):

@@ -28,7 +28,7 @@ from twisted.web.server import Request, Site
 
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.sending import ONE_SEND, SendsAtOnce
-from homelab_gateway.web.respond import new_request_id, send_error
+from homelab_gateway.web.respond import error_body, new_request_id, send_error, shape_of
 
 # Reason phrases twisted.web lacks ("Unknown Status") or has from an older RFC. 529 is not
 # registered with IANA; "Site Overloaded" is the phrase it is known by.
@@ -202,7 +202,7 @@ class GatewayChannel(HTTPChannel):
         self._cancel_deadline()
         path = getattr(self, "_path", b"") or b""
         error = GatewayError(status, message, error_type=error_type)
-        document = error.anthropic_body() if path.startswith(b"/llm/") else error.openai_body()
+        status, document = error_body(error, shape_of(path))
         body = json.dumps(document).encode()
         reason = REASONS.get(status) or RESPONSES[status]
         request_id = self.requests[-1].request_id if self.requests else new_request_id()
@@ -271,7 +271,7 @@ class GatewayRequest(Request):
         except UnicodeDecodeError:
             self.site = self.channel.site
             error = GatewayError(400, "the request path or Host is not UTF-8 once percent-decoded")
-            self.write(send_error(self, error, anthropic=self.path.startswith(b"/llm/")))
+            self.write(send_error(self, error, shape=shape_of(self.path)))
             self.finish()
             return
         super().process()

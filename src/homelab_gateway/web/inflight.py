@@ -28,7 +28,7 @@ from twisted.web.iweb import IRequest
 from homelab_gateway.core.errors import internal_error, shutdown_error
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.telemetry import Telemetry
-from homelab_gateway.web.respond import send_error
+from homelab_gateway.web.respond import Shape, send_error
 
 log = Logger()
 
@@ -51,17 +51,17 @@ class InFlight:
         record: RequestRecord,
         work: Coroutine[Any, Any, Any],
         *,
-        anthropic: bool = True,
+        shape: Shape = "anthropic",
         respond: bool = False,
     ) -> Deferred[Any]:
         """Drive `work` for `request`; a shutdown that cuts a handler before it answered gets
-        the 503 in the surface's shape (`anthropic` or OpenAI's), whatever the handler did, and
+        the 503 in the surface's `shape`, whatever the handler did, and
         an exception no handler expected gets a 500 in that shape (`_Flight.answer_failure`).
 
         With `respond`, the flight also writes what the handler returns and finishes the
         request, as Klein does with a route's Deferred (see `web.AnsweredByItsFlight`); without
         it, the caller (Klein) does."""
-        flight = _Flight(self, request, record, ensureDeferred(work), anthropic)
+        flight = _Flight(self, request, record, ensureDeferred(work), shape)
         self._active[request] = flight
         request.notifyFinish().addBoth(flight.over)
         if respond:
@@ -110,7 +110,7 @@ class _Flight:
     """One request in flight: what its two callbacks need, in one small object rather than
     closures and a second `notifyFinish` (thousands of them live while a queue is long)."""
 
-    __slots__ = ("anthropic", "d", "ended", "inflight", "record", "request")
+    __slots__ = ("d", "ended", "inflight", "record", "request", "shape")
 
     def __init__(
         self,
@@ -118,13 +118,13 @@ class _Flight:
         request: IRequest,
         record: RequestRecord,
         d: Deferred[Any],
-        anthropic: bool,
+        shape: Shape,
     ) -> None:
         self.inflight = inflight
         self.request = request
         self.record = record
         self.d = d
-        self.anthropic = anthropic
+        self.shape = shape
         self.ended = False  # twisted.web finished the request, or the client left
 
     def over(self, result: object) -> None:
@@ -158,7 +158,7 @@ class _Flight:
         if self.request.startedWriting:
             self.request.channel.transport.abortConnection()
             return None
-        return send_error(self.request, error, anthropic=self.anthropic)
+        return send_error(self.request, error, shape=self.shape)
 
     # What Klein's `KleinResource.render` does with a route's Deferred, for a flight that
     # answers its request itself (`respond`): one callback pair on the handler's Deferred

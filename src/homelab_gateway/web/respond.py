@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.core.errors import GatewayError
+
+Shape = Literal["anthropic", "openai", "plain"]
+"""How an error is written: Anthropic's (/llm/v1/messages), OpenAI's (its surfaces under
+/llm/v1), or the gateway's plain one (proxy routes, the status page)."""
+OPENAI_PATHS = frozenset(
+    {b"/llm/v1/chat/completions", b"/llm/v1/completions", b"/llm/v1/embeddings"}
+)
+
+
+def shape_of(path: bytes) -> Shape:
+    """The error shape of a path, for answers given before any route is chosen."""
+    if path.rstrip(b"/") in OPENAI_PATHS:
+        return "openai"
+    return "anthropic" if path.startswith(b"/llm/") else "plain"
 
 
 def new_request_id() -> str:
@@ -26,10 +40,17 @@ def send_json(request: IRequest, status: int, document: Any) -> bytes:
         return json.dumps(document).encode()
 
 
-def send_error(request: IRequest, error: GatewayError, *, anthropic: bool = True) -> bytes:
-    """The error as an HTTP answer: Anthropic's shape on /llm, OpenAI's on passthrough routes."""
+def error_body(error: GatewayError, shape: Shape) -> tuple[int, dict[str, Any]]:
+    """The status and body of `error` in `shape`."""
+    if shape == "openai":
+        return error.openai_status, error.openai_body()
+    if shape == "anthropic":
+        return error.status, error.anthropic_body()
+    return error.status, error.plain_body()
+
+
+def send_error(request: IRequest, error: GatewayError, *, shape: Shape = "anthropic") -> bytes:
+    """The error as an HTTP answer in the surface's `shape`."""
     if error.retry_after is not None:
         request.setHeader(b"retry-after", str(error.retry_after).encode())
-    return send_json(
-        request, error.status, error.anthropic_body() if anthropic else error.openai_body()
-    )
+    return send_json(request, *error_body(error, shape))

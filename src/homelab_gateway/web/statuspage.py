@@ -196,7 +196,7 @@ class StatusPage:
             request.setHeader(b"connection", b"close")
             if request.channel is not None:
                 request.channel.persistent = False
-            return send_error(request, refusal, anthropic=False)
+            return send_error(request, refusal, shape="plain")
         frame, active = self._frame()  # first: if it fails, nothing is kept for the stream
         request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
         request.setHeader(b"cache-control", b"no-cache")

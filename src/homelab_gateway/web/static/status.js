@@ -138,11 +138,11 @@ function outcomeClass(outcome) {
 function renderInFlight(rows, total) {
   const body = $("in-flight").tBodies[0];
   body.replaceChildren(...rows.map((r) => el("tr", { "data-request": r.request_id },
-    el("td", {}, r.model || r.surface), el("td", {}, r.client), el("td", {}, r.class),
+    el("td", {}, r.model || "-"), el("td", {}, r.surface), el("td", {}, r.client), el("td", {}, r.class),
     el("td", {}, r.upstream), el("td", { class: "num" }, seconds(r.elapsed_s)),
     el("td", { class: "num" }, seconds(r.queue_wait_s)), el("td", { class: "num" }, seconds(r.ttft_s)),
     el("td", { class: "num tokens" }, r.output_tokens), el("td", { class: "num" }, number(r.tokens_per_s)))));
-  if (!rows.length) body.append(el("tr", {}, el("td", { class: "empty", colspan: 9 }, "nothing in flight")));
+  if (!rows.length) body.append(el("tr", {}, el("td", { class: "empty", colspan: 10 }, "nothing in flight")));
   $("in-flight-count").textContent = total;
   const more = $("in-flight-more");
   more.hidden = total <= rows.length;
@@ -152,12 +152,13 @@ function renderInFlight(rows, total) {
 function renderFinished(rows, now) {
   const body = $("finished").tBodies[0];
   body.replaceChildren(...rows.map((r) => el("tr", { "data-request": r.request_id },
-    el("td", {}, seconds(now - r.ended) + " ago"), el("td", {}, r.model || r.surface), el("td", {}, r.client),
+    el("td", {}, seconds(now - r.ended) + " ago"), el("td", {}, r.model || "-"), el("td", {}, r.surface),
+    el("td", {}, r.client),
     el("td", { class: outcomeClass(r.outcome) }, r.outcome), el("td", { class: "num" }, number(r.status)),
     el("td", { class: "num" }, seconds(r.queue_wait_s)), el("td", { class: "num" }, seconds(r.ttft_s)),
     el("td", { class: "num" }, `${number(r.input_tokens)} / ${number(r.output_tokens)}`),
     el("td", { class: "num" }, number(r.tokens_per_s)), el("td", { class: "num" }, seconds(r.duration_s)))));
-  if (!rows.length) body.append(el("tr", {}, el("td", { class: "empty", colspan: 10 }, "nothing yet")));
+  if (!rows.length) body.append(el("tr", {}, el("td", { class: "empty", colspan: 11 }, "nothing yet")));
 }
 
 function render(snapshot) {

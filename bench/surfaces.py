@@ -1,0 +1,113 @@
+"""The surfaces side by side: 8 concurrent 10,000-token streams through /llm/v1/chat/completions,
+through /llm/v1/messages, and from the stub asked directly, in the same run.
+
+`python -m bench.surfaces` (also scenario 9 of `python -m bench`) starts the fast stub and the
+gateway as twistd processes. Each round asks all three in a rotating order, so a noisy moment
+falls on every side; a surface's ratio is the median of its rounds' ratios to the direct stub
+of the same round, and its CPU per 1,000 tokens is the gateway process's own (utime + stime from
+/proc) over that surface's passes. The chat surface only renames, the Messages surface
+translates: `chat_cpu_vs_messages` is the one's CPU per token over the other's.
+Measurements, not tests: nothing fails on a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.__main__ import (
+    STREAM_TOKENS,
+    ProcessStats,
+    anthropic_body,
+    is_anthropic_token,
+    is_openai_token,
+    machine,
+    openai_body,
+    streams_rate,
+)
+from tests.processes import Process, start_gateway, start_stub
+
+CONFIG = """
+[upstreams.bulk]
+url = "{big}"
+slots = 8
+
+[models.bulk]
+upstream = "bulk"
+"""
+
+
+async def surfaces(
+    direct: str, gateway: str, stats: ProcessStats, rounds: int, tokens: int = STREAM_TOKENS
+) -> dict[str, Any]:
+    chat = {**openai_body("content-only", tokens), "model": "bulk"}
+    sides = {
+        "direct": (
+            direct + "/chat/completions",
+            openai_body("content-only", tokens),
+            is_openai_token,
+        ),
+        "chat": (gateway + "/llm/v1/chat/completions", chat, is_openai_token),
+        "messages": (
+            gateway + "/llm/v1/messages",
+            anthropic_body("bulk", "content-only", tokens),
+            is_anthropic_token,
+        ),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    cpu: dict[str, list[float]] = {"chat": [], "messages": []}
+    order = list(sides)
+    for round_ in range(rounds):
+        for name in order[round_ % 3 :] + order[: round_ % 3]:
+            url, body, is_token = sides[name]
+            before = stats.cpu_seconds()
+            rate, counted = await streams_rate(url, body, 8, is_token)
+            rates[name].append(rate)
+            if name in cpu:
+                cpu[name].append(1e6 * (stats.cpu_seconds() - before) / counted)
+    out: dict[str, Any] = {"streams": 8, "tokens_per_stream": tokens, "rounds": rounds}
+    for name in sides:
+        out[f"{name}_tokens_per_s"] = round(statistics.median(rates[name]))
+    for name in cpu:
+        ratios = [g / d for g, d in zip(rates[name], rates["direct"], strict=True)]
+        out[f"{name}_ratio"] = round(statistics.median(ratios), 3)
+        out[f"{name}_ratio_all"] = [round(r, 3) for r in ratios]
+        out[f"{name}_cpu_ms_per_1000_tokens"] = round(statistics.median(cpu[name]), 2)
+        out[f"{name}_cpu_ms_per_1000_tokens_all"] = [round(c, 2) for c in cpu[name]]
+    out["chat_cpu_vs_messages"] = round(
+        out["chat_cpu_ms_per_1000_tokens"] / out["messages_cpu_ms_per_1000_tokens"], 3
+    )
+    return out
+
+
+def run(workdir: Path, rounds: int) -> dict[str, Any]:
+    processes: list[Process] = []
+    try:
+        big_stub, big = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "40000")
+        processes.append(big_stub)
+        gateway, url = start_gateway(workdir, CONFIG.format(big=big))
+        processes.append(gateway)
+        return asyncio.run(surfaces(big, url, ProcessStats(gateway.popen.pid), rounds))
+    finally:
+        for process in processes:
+            process.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        report = {"machine": machine(), "9_surfaces": run(Path(workdir), args.rounds)}
+    json.dump(report, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""The OpenAI surfaces (chat completions, completions, embeddings) with no I/O.
+
+These surfaces translate nothing: a request goes upstream as the client wrote it, checked and
+pointed at the model's upstream name, and the answer comes back byte for byte but for the
+model's name, which becomes the client's again. Checking is light on purpose: the upstream
+names its own mistakes better, and vLLM's extras (`chat_template_kwargs`, `guided_json`,
+`top_k`) must pass untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from homelab_gateway.config import ModelConfig
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.mapping import (
+    CHARS_PER_TOKEN,
+    InvalidRequest,
+    MappedRequest,
+    PackedRequest,
+    kind_of,
+    merge,
+    request_model,
+)
+from homelab_gateway.core.sse import EventTooLarge, SSEParser
+from homelab_gateway.core.translator import replace_lone_surrogates
+
+PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
+"""Each surface's upstream path, below the upstream's base URL (which ends in /v1)."""
+PROMPTS = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
+"""The field that holds each surface's prompt: required, and what the wait is estimated on."""
+OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")
+DONE = b"data: [DONE]\n\n"
+USAGE_TAIL = 4096
+"""Bytes of a whole answer's end kept to read its usage from: vLLM writes `usage` last."""
+MODEL_HEAD = 64 * 1024
+"""Bytes of a whole answer held back while its top-level `model` is looked for: servers write
+it first (vLLM, llama.cpp, Ollama), and a body that has none by then passes on as it is."""
+PLAIN_EVENT = re.compile(rb"data: ([^\r\n]*)\n\n")
+"""One whole event as vLLM, llama.cpp and Ollama write every chunk: one `data:` line."""
+_SPECIAL = re.compile(rb'"error"|"choices"\s*:\s*\[\s*\]|"finish_reason"\s*:\s*"')
+"""What only an error event, the usage chunk or a choice's last chunk has: those are parsed
+in full. (Quotes inside a JSON string are escaped, so these bytes are never text.)"""
+_MODEL_KEY = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")?')
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """A checked request as it waits: the upstream body packed, and what the answer needs."""
+
+    kind: str  # chat | completions | embeddings
+    packed: PackedRequest
+    include_usage: bool  # the client asked for the usage chunk
+    session: str | None  # `prompt_cache_key` or `user`, as the client wrote it
+
+
+def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
+    """Check `body` for surface `kind` and build the upstream request for `model`; raise
+    InvalidRequest naming the field. The model's `params` go under the client's own fields,
+    and its `max_tokens` caps the output (a chat request that sets none gets it)."""
+    client_model = request_model(body)
+    prompt_field = PROMPTS[kind]
+    prompt = body.get(prompt_field)
+    _check_prompt(kind, prompt_field, prompt)
+    out = merge(model.params, body)
+    out["model"] = model.upstream_model
+    for name in OUTPUT_LIMITS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise InvalidRequest(f"{name}: must be an integer >= 1, got {kind_of(value)}", name)
+        if model.max_tokens is not None:
+            out[name] = min(value, model.max_tokens)
+    if (
+        kind == "chat"
+        and model.max_tokens is not None
+        and not any(out.get(name) is not None for name in OUTPUT_LIMITS)
+    ):
+        out["max_tokens"] = model.max_tokens
+    stream = body.get("stream", False)
+    if kind == "embeddings":
+        stream = False
+    elif not isinstance(stream, bool):
+        raise InvalidRequest(f"stream: must be a boolean, got {kind_of(stream)}", "stream")
+    include_usage = False
+    if stream:
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, Mapping):
+            raise InvalidRequest(
+                f"stream_options: must be an object, got {kind_of(options)}", "stream_options"
+            )
+        include_usage = bool(options and options.get("include_usage"))
+        # Asked for always, for the gateway's own counts; a client that did not ask never
+        # sees the usage chunk (`StreamRelay`).
+        out["stream_options"] = {**(options or {}), "include_usage": True}
+    session = next(
+        (
+            value
+            for value in (body.get("prompt_cache_key"), body.get("user"))
+            if isinstance(value, str) and value
+        ),
+        None,
+    )
+    estimate = max(1, len(json.dumps(prompt, ensure_ascii=False)) // CHARS_PER_TOKEN)
+    if kind == "chat" and "tools" in body:
+        estimate += len(json.dumps(body["tools"], ensure_ascii=False)) // CHARS_PER_TOKEN
+    mapped = MappedRequest(
+        model=replace_lone_surrogates(client_model),
+        stream=stream,
+        body=out,
+        stop_sequences=(),
+        estimated_input_tokens=estimate,
+    )
+    return OpenAIRequest(kind, mapped.packed(), include_usage, session)
+
+
+def _check_prompt(kind: str, name: str, prompt: Any) -> None:
+    if kind == "chat":
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequest(f"{name}: must be a non-empty array, got {kind_of(prompt)}", name)
+        for i, message in enumerate(prompt):
+            if not isinstance(message, Mapping):
+                raise InvalidRequest(
+                    f"{name}.{i}: must be an object, got {kind_of(message)}", f"{name}.{i}"
+                )
+            if not isinstance(message.get("role"), str):
+                raise InvalidRequest(
+                    f"{name}.{i}.role: must be a string, got {kind_of(message.get('role'))}",
+                    f"{name}.{i}.role",
+                )
+        return
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest(
+            f"{name}: must be a string or a non-empty array, got {kind_of(prompt)}", name
+        )
+    for i, item in enumerate(prompt):
+        if not (
+            isinstance(item, str)
+            or _is_int(item)
+            or (isinstance(item, list) and all(_is_int(token) for token in item))
+        ):
+            raise InvalidRequest(
+                f"{name}.{i}: must be a string, a token id or an array of token ids, "
+                f"got {kind_of(item)}",
+                f"{name}.{i}",
+            )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def error_document(error: GatewayError) -> dict[str, Any]:
+    """`{"error": {...}}` as OpenAI writes it: an upstream's own error object where it gave
+    one (vLLM's flat `{"object": "error", ...}` too), else the gateway's."""
+    if error.upstream_body is not None:
+        found = _upstream_error(error.upstream_body)
+        if found is not None:
+            return {"error": found}
+    return error.openai_body()
+
+
+def _upstream_error(body: bytes) -> dict[str, Any] | None:
+    try:
+        document = orjson.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error
+    if document.get("object") == "error" and isinstance(document.get("message"), str):
+        return {key: value for key, value in document.items() if key != "object"}
+    return None
+
+
+def error_line(document: dict[str, Any]) -> bytes:
+    """The data line that ends a stream in failure: the OpenAI SDKs raise on its `error`."""
+    return b"data: " + orjson.dumps(document) + b"\n\n"
+
+
+def failure_line(message: str, error_type: str = "server_error") -> bytes:
+    return error_line(
+        {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+    )
+
+
+def renamed(data: bytes, document: Any, name: str) -> bytes:
+    """`data` (the JSON text of `document`) with its top-level `model` as `name`, every other
+    byte as it was; where the key is not written plainly, `document` written anew."""
+    if not isinstance(document, dict):
+        return data
+    value = document.get("model")
+    if not isinstance(value, str) or value == name:
+        return data
+    spot = _model_value(data)
+    if spot is not None:
+        _, start, end = spot
+        return data[:start] + orjson.dumps(name) + data[end:]
+    document["model"] = name
+    return orjson.dumps(document)
+
+
+def _model_value(data: bytes) -> tuple[int, int, int] | None:
+    """Where `data`'s top-level `"model":` key starts, and where its string value starts and
+    ends, if it is all there."""
+    for key in _MODEL_KEY.finditer(data):
+        if _top_level(data, key.start()):
+            return None if key.group(1) is None else (key.start(), *key.span(1))
+    return None
+
+
+def _top_level(data: bytes, at: int) -> bool:
+    """Whether a key at `at` is one of the outermost object's: exactly when what comes before
+    it opens an object that the key could end (in a nested object, or inside a string, this
+    makes no JSON)."""
+    try:
+        return isinstance(orjson.loads(data[:at] + b'"model":0}'), dict)
+    except ValueError:
+        return False
+
+
+def usage_of(tail: bytes) -> dict[str, Any] | None:
+    """The `usage` object at the end of a whole answer (`tail`, its last bytes), if any."""
+    at = tail.rfind(b'"usage":')
+    while at > 0:
+        if tail[:at].rstrip()[-1:] in (b",", b"{"):
+            try:
+                usage, _ = json.JSONDecoder().raw_decode(
+                    tail[at + 8 :].decode("utf-8", "replace").lstrip()
+                )
+            except ValueError:
+                return None
+            return usage if isinstance(usage, dict) else None
+        at = tail.rfind(b'"usage":', 0, at)
+    return None
+
+
+class WholeRelay:
+    """A whole (non-streamed) JSON answer, passed on as it arrives with its model renamed.
+
+    The head is held back only until its top-level `model` value has arrived (at most
+    `MODEL_HEAD` bytes), so an embeddings answer of many megabytes never sits in the gateway.
+    """
+
+    def __init__(self, name: str, *, rename: bool = True) -> None:
+        self.name = name
+        self._head: bytes | None = b"" if rename else None  # None: passing through
+        self._tail = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self._tail = (self._tail + data)[-USAGE_TAIL:]
+        if self._head is None:
+            return data
+        head = self._head + data
+        spot = _model_value(head)
+        if spot is None and len(head) < MODEL_HEAD:
+            self._head = head
+            return b""
+        self._head = None
+        if spot is None:
+            return head
+        _, start, end = spot
+        return head[:start] + orjson.dumps(self.name) + head[end:]
+
+    def end(self) -> bytes:
+        head, self._head = self._head or b"", None
+        return head
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return usage_of(self._tail)
+
+
+class StreamRelay:
+    """An upstream's chunk stream, event by event: renamed, and passed on.
+
+    Each `feed` answers the bytes to write for one upstream read. `[DONE]` is passed and ends
+    the answer (`done`); the usage chunk (`"choices": []`) is dropped unless the client asked
+    for it (older clients break on an empty `choices`); an error event is passed in OpenAI's
+    shape and fails the stream (`failed`), with no `[DONE]` after it.
+
+    An event as servers write it (`PLAIN_EVENT`) is renamed where its bytes say the model
+    they said before, and parsed only if they may hold an error or the usage chunk: a JSON
+    parse and re-framing of every token cost the relay more than translating does on the
+    Messages surface (`python -m bench.surfaces`).
+    """
+
+    def __init__(self, name: str, include_usage: bool) -> None:
+        self.name = name
+        self.include_usage = include_usage
+        self.done = False
+        self.failed = False
+        self.usage: dict[str, Any] | None = None
+        self.chunks = 0  # chunks with output in them: the count until usage says
+        self.finish_reason: str | None = None
+        self.started = False  # a chunk with output has been passed on
+        self._parser = SSEParser()
+        # The model as the last parsed chunk wrote it (`"model":"Qwen/QwQ-32B"`), and what
+        # it becomes; None until a chunk said one.
+        self._said: bytes | None = None
+        self._says: bytes = b""
+
+    @property
+    def over(self) -> bool:
+        return self.done or self.failed
+
+    def feed(self, data: bytes) -> bytes:
+        out: list[bytes] = []
+        parser, match = self._parser, PLAIN_EVENT.match
+        position, size = 0, len(data)
+        while position < size and not self.over:
+            if parser.idle:
+                while (event := match(data, position)) is not None and (
+                    event.end() - position - 2 <= parser.limit
+                ):
+                    out.append(self._plain(event[1], data, position, event.end()))
+                    position = event.end()
+                    if self.over:
+                        return b"".join(out)
+                if position == size:
+                    break
+            # One event the generic way (or the rest, where no blank line ends one).
+            end = data.find(b"\n\n", position) + 2
+            if end < 2:
+                end = size
+            try:
+                events, too_large = parser.feed(data[position:end]), None
+            except EventTooLarge as e:
+                events, too_large = e.events, e
+            for sse in events:
+                if self.over:
+                    break
+                out.append(self._event(sse.data.encode("utf-8", "surrogatepass")))
+            if too_large is not None:
+                out.append(self.fail(f"upstream sent {too_large}"))
+            position = end
+        return b"".join(out)
+
+    def _plain(self, payload: bytes, data: bytes, start: int, end: int) -> bytes:
+        """One `data: ...` event, `data[start:end]`: passed as it is, or renamed in place."""
+        if payload == b"[DONE]":
+            self.done = True
+            return DONE
+        said = self._said
+        if said is None or _SPECIAL.search(payload) is not None:
+            return self._event(payload)
+        at = payload.find(said)
+        if at == -1 or not _top_level(payload, at):
+            return self._event(payload)
+        # Any other chunk after the first says something (a token, a tool call's piece): the
+        # count until the usage chunk gives the real one.
+        self.chunks += 1
+        self.started = True
+        if said == self._says:
+            return data[start:end]
+        return b"data: " + payload[:at] + self._says + payload[at + len(said) :] + b"\n\n"
+
+    def _event(self, data: bytes) -> bytes:
+        """One event's data, parsed in full."""
+        if data == b"[DONE]":
+            self.done = True
+            return DONE
+        try:
+            document = orjson.loads(data)
+        except ValueError:
+            return self.fail("upstream sent a line that is not JSON")
+        if isinstance(document, dict):
+            if "error" in document or document.get("object") == "error":
+                self.failed = True
+                found = _upstream_error(data)
+                return error_line({"error": found}) if found else failure_line(data[:500].decode())
+            choices = document.get("choices")
+            usage = document.get("usage")
+            if isinstance(usage, dict):
+                self.usage = usage
+                if choices == [] and not self.include_usage:
+                    return b""
+            if isinstance(choices, list):
+                self._count(choices)
+            self._learn(data, document)
+        out = renamed(data, document, self.name)
+        return b"data: " + out.replace(b"\n", b"\ndata: ") + b"\n\n"
+
+    def _learn(self, data: bytes, document: dict[str, Any]) -> None:
+        """How this upstream writes its model's name, for the events after this one."""
+        value = document.get("model")
+        spot = _model_value(data) if isinstance(value, str) else None
+        if spot is None:
+            self._said = None
+            return
+        key, start, end = spot
+        self._said = data[key:end]
+        self._says = self._said if value == self.name else data[key:start] + orjson.dumps(self.name)
+
+    def _count(self, choices: list[Any]) -> None:
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                output = (
+                    delta.get("content")
+                    or delta.get("reasoning")
+                    or delta.get("reasoning_content")
+                    or delta.get("tool_calls")
+                )
+            else:
+                output = choice.get("text")
+            if output:
+                self.chunks += 1
+                self.started = True
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str):
+                self.finish_reason = reason
+
+    def fail(self, message: str) -> bytes:
+        """End the stream with an error line: the upstream broke off, or sent what is no
+        chunk."""
+        if self.over:
+            return b""
+        self.failed = True
+        return failure_line(message)
+
+    def eof(self, upstream: str) -> bytes:
+        """The body ended: without `[DONE]`, the answer may be cut short, so it fails."""
+        return self.fail(f"upstream {upstream} ended the stream before [DONE]")
+
+    @property
+    def output_tokens(self) -> int:
+        usage = self.usage or {}
+        tokens = usage.get("completion_tokens")
+        return tokens if _is_int(tokens) else self.chunks
+
+    @property
+    def input_tokens(self) -> int | None:
+        tokens = (self.usage or {}).get("prompt_tokens")
+        return tokens if _is_int(tokens) else None

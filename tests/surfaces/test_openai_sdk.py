@@ -1,0 +1,198 @@
+"""The official `openai` Python SDK against the real daemon and stub, both run by twistd."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.processes import start_gateway, start_stub, upstream_status, wait_until
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, Path]]:
+    cwd = tmp_path_factory.mktemp("openai-sdk")
+    fast, fast_url = start_stub(cwd, "--delay", "0.002")
+    slow, slow_url = start_stub(
+        cwd, "--hold", "3", "--reasoning-tokens", "2", "--content-tokens", "3"
+    )
+    tight, tight_url = start_stub(cwd, "--max-model-len", "64", "--model", "tight")
+    config = f"""
+[upstreams.fast]
+url = "{fast_url}"
+slots = 4
+
+[upstreams.slow]
+url = "{slow_url}"
+slots = 1
+queue_limit = 1
+
+[upstreams.tight]
+url = "{tight_url}"
+slots = 1
+
+[models.reasoning]
+upstream = "fast"
+upstream_model = "Qwen/QwQ-32B"
+
+[models.slow]
+upstream = "slow"
+
+[models."gpt-*"]
+upstream = "tight"
+upstream_model = "tight"
+"""
+    gateway, url = start_gateway(cwd, config)
+    yield openai.OpenAI(base_url=url + "/llm/v1", api_key="unused", max_retries=0, timeout=30), cwd
+    for process in (gateway, fast, slow, tight):
+        process.stop()
+
+
+@pytest.fixture
+def client(setup: tuple[openai.OpenAI, Path]) -> openai.OpenAI:
+    return setup[0]
+
+
+def occupied(gateway: str) -> int:
+    """The slow upstream's requests: holding its slot, and waiting for it."""
+    status = upstream_status(gateway, "slow")
+    return status["in_use"] + status["waiting"]
+
+
+def gateway_of(client: openai.OpenAI) -> str:
+    return str(client.base_url).removesuffix("/").removesuffix("/llm/v1")
+
+
+def test_a_stream_read_by_the_sdk(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model="reasoning", messages=HI, stream=True))
+    assert {chunk.model for chunk in chunks} == {"reasoning"}
+    assert all(chunk.choices for chunk in chunks)  # no usage chunk: none was asked for
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert text.startswith("Hello!")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_usage_chunk_when_asked(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="reasoning",
+            messages=HI,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == 5
+
+
+def test_a_whole_answer_with_tools(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model="reasoning",
+        messages=[{"role": "user", "content": "tool"}],
+        tools=WEATHER,  # type: ignore[arg-type]
+    )
+    assert answer.model == "reasoning"
+    call = answer.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert answer.choices[0].finish_reason == "tool_calls"
+    # and the round trip, as aider and Continue send it
+    second = client.chat.completions.create(
+        model="reasoning",
+        messages=[
+            {"role": "user", "content": "tool"},
+            answer.choices[0].message.model_dump(exclude_none=True),  # type: ignore[list-item]
+            {"role": "tool", "tool_call_id": call.id, "content": "18C"},
+        ],
+        tools=WEATHER,  # type: ignore[arg-type]
+    )
+    assert second.model == "reasoning"
+
+
+def test_a_queued_stream_reads_as_any_other(client: openai.OpenAI) -> None:
+    gateway = gateway_of(client)
+    ahead = threading.Thread(
+        target=lambda: client.chat.completions.create(model="slow", messages=HI, max_tokens=8)
+    )
+    ahead.start()
+    try:
+        wait_until(lambda: upstream_status(gateway, "slow")["in_use"] == 1)
+        stream = client.chat.completions.create(model="slow", messages=HI, stream=True)
+        wait_until(lambda: upstream_status(gateway, "slow")["waiting"] == 1)
+        chunks = list(stream)
+    finally:
+        ahead.join(30)
+    assert chunks and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_closing_the_stream_cancels_the_upstream(setup: tuple[openai.OpenAI, Path]) -> None:
+    client, _ = setup
+    gateway = gateway_of(client)
+    stream = client.chat.completions.create(
+        model="reasoning", messages=[{"role": "user", "content": "long"}], stream=True
+    )
+    next(iter(stream))
+    wait_until(lambda: upstream_status(gateway, "fast")["in_use"] == 1)
+    stream.close()
+    wait_until(lambda: upstream_status(gateway, "fast")["in_use"] == 0)
+
+
+def test_an_upstream_failure_mid_stream_raises(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="reasoning", messages=[{"role": "user", "content": "fail"}], stream=True
+    )
+    with pytest.raises(openai.APIError) as info:
+        list(stream)
+    assert "engine died" in str(info.value)
+
+
+def test_each_error_is_the_sdks_own(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="ghost", messages=HI)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="reasoning", messages=[])
+    assert bad.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as overflow:
+        client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "word " * 100}], max_tokens=8
+        )
+    assert overflow.value.code == "context_length_exceeded"
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(
+            model="reasoning", messages=[{"role": "user", "content": "error500"}]
+        )
+
+
+def test_a_full_line_is_a_rate_limit_the_sdk_would_retry(client: openai.OpenAI) -> None:
+    gateway = gateway_of(client)
+    threads = [
+        threading.Thread(
+            target=lambda: client.chat.completions.create(model="slow", messages=HI, max_tokens=8)
+        )
+        for _ in range(2)
+    ]
+    for count, thread in enumerate(threads, 1):
+        thread.start()
+        wait_until(lambda count=count: occupied(gateway) == count)  # type: ignore[misc]
+    try:
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="slow", messages=HI)
+        assert info.value.response.headers["retry-after"] == "5"
+    finally:
+        for thread in threads:
+            thread.join(30)
