@@ -561,6 +561,7 @@ class Catalogue(LLMSurface):
                     }
                 },
                 "models": {"reasoning": {"upstreams": ["vllm"], "line": "vllm", "waiting": 0}},
+                "surfaces": {},
             },
         )
 
@@ -685,15 +686,16 @@ class BillingHeaderAndCache(UpstreamBodies):
         start, delta = frames[0]["message"]["usage"], frames[-2]["usage"]
         prompt = 200 + 4 + 1 + 4  # the system prompt's words and the user's, 4 per message
         self.assertEqual(start["cache_read_input_tokens"], 192)  # whole 16-token blocks
-        self.assertEqual(start["input_tokens"], prompt - 192)  # the system prompt was cached
-        self.assertEqual(start["cache_creation_input_tokens"], 0)
+        self.assertEqual(start["cache_creation_input_tokens"], 16)  # the new user block
+        self.assertEqual(start["input_tokens"], prompt - 192 - 16)  # the block left unfilled
         self.assertEqual(
             {k: delta[k] for k in start if k != "output_tokens"},
             {k: start[k] for k in start if k != "output_tokens"},
         )
         first_usage = next(d for _, d in first.frames())["message"]["usage"]
         self.assertEqual(first_usage["cache_read_input_tokens"], 0)
-        self.assertEqual(first_usage["input_tokens"], prompt)
+        self.assertEqual(first_usage["cache_creation_input_tokens"], 208)  # written, in blocks
+        self.assertEqual(first_usage["input_tokens"], prompt - 208)
 
     @async_test
     async def test_non_streaming_usage_carries_the_cache_fields(self) -> None:

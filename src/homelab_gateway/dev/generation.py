@@ -1,5 +1,6 @@
-"""What the stub says: the scenarios a prompt picks and one chat completion's chunks, paced on
-the clock and pausable by its client, as vLLM writes them (`stub` serves them)."""
+"""What the stub says as vLLM writes it (`stub` serves it): the scenarios a prompt picks, what
+every endpoint's exchange shares, and a chat completion's chunks, paced on the clock and
+pausable by its client (`completions` and `embeddings` build on these)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.web.server import Request
 
 if TYPE_CHECKING:
-    from homelab_gateway.dev.stub import StubResource
+    from homelab_gateway.dev.stub import StubResource, StubSettings
 
 ENDLESS_CAP = 32 * 1024 * 1024
 """What "never ends" means for endless-error and long-line: past any sane gateway's limit, yet
@@ -22,6 +24,7 @@ a broken gateway reading it all cannot take the machine down; after it, silence.
 REASONING_TEXT = "The user wants a short friendly answer so I will greet them and keep it brief"
 CONTENT_TEXT = "Hello! I am a stub model answering from the homelab gateway test upstream."
 TOOL_ARGUMENTS = ['{"city', '": "', "Par", 'is", "unit', '": "c', 'elsius"}']
+ENGINE_DIED = "stub: the engine died"
 
 SCENARIOS = {
     "content-only": "content and no reasoning",
@@ -44,6 +47,10 @@ SCENARIOS = {
     "long-line": "a few tokens, then a data line that never ends (32 MiB, then silence)",
     "hangup": "reads the request, then closes the connection without answering",
 }
+CHAT_ONLY = frozenset({"content-only", "reasoning-only", "tool", "parallel-tools"})
+"""Scenarios about a chat message's parts: a text completion has no reasoning or tool calls."""
+FAULTS = frozenset({"fail", "garbage", "reset", "truncate", "stall", "abort", "long-line"})
+"""Scenarios that break a stream off after a few tokens."""
 
 
 def prompt_words(messages: Any) -> list[str]:
@@ -68,6 +75,32 @@ def prompt_tokens(messages: Any) -> list[str]:
     return tokens
 
 
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
+def batch(value: Any) -> list[str | list[int]] | None:
+    """vLLM's `prompt` / `input` shapes as a list of items (a string, or token ids): a string, a
+    list of ids, or a list of strings or of id lists; None for anything else."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        return None
+    if _is_token_ids(value):
+        return [value]
+    if all(isinstance(v, str) for v in value) or all(_is_token_ids(v) for v in value):
+        return list(value)
+    return None
+
+
+def text_tokens(item: str | list[int]) -> list[str]:
+    """A completion prompt or an embedding input as the stub's tokens: a word each (no BOS, as
+    /tokenize counts), or its token ids as they are."""
+    return item.split() if isinstance(item, str) else [str(t) for t in item]
+
+
 PREFIX_CACHE_BLOCK = 16  # vLLM's default block size: the prefix cache hits whole blocks
 
 
@@ -83,29 +116,54 @@ def cached_tokens(tokens: list[str], previous: list[str]) -> int:
     return shared - shared % PREFIX_CACHE_BLOCK
 
 
-def digest(messages: Any) -> str:
+def prompt_details(prompt: int, cached: int) -> dict[str, int]:
+    """vLLM's `prompt_tokens_details`: the prefix-cache hits, and what the prefill wrote to the
+    cache (`PrefillStats.finalize`: the prompt's whole blocks, less those that were hits)."""
+    return {
+        "cached_tokens": cached,
+        "created_cache_tokens": max(0, prompt - prompt % PREFIX_CACHE_BLOCK - cached),
+    }
+
+
+def digest(prompt: Any) -> str:
     """A short digest of the prompt: vLLM logs each request's prompt, the stub only this."""
-    text = json.dumps(messages, sort_keys=True).encode()
+    text = json.dumps(prompt, sort_keys=True).encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-def _scenario(messages: Any) -> str:
-    last_user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"][-1:]
-    for word in prompt_words(last_user):
-        if word.lower() in SCENARIOS:
+def _scenario(words: list[str], known: Collection[str]) -> str:
+    for word in words:
+        if word.lower() in known:
             return word.lower()
     return "default"
 
 
-def _words(text: str, n: int) -> Iterator[str]:
+def words(text: str, n: int) -> Iterator[str]:
     """`n` tokens cycling through the words of `text`, each with its trailing space."""
     words = text.split()
     for i in range(n):
         yield words[i % len(words)] + " "
 
 
-class Generation:
-    """One chat completion: the chunks it sends, paced on the clock, pausable by the client."""
+def literal(name: str, value: Any, allowed: tuple[str, ...]) -> str | None:
+    """Pydantic's refusal of a value outside a Literal, as a 400's message."""
+    if value in allowed:
+        return None
+    choices = ", ".join(f"'{a}'" for a in allowed[:-1]) + f" or '{allowed[-1]}'"
+    return f"{name}: Input should be {choices}"
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Exchange(ABC):
+    """One request to one endpoint: its prompts as the stub's tokens, its scenario, and what
+    every endpoint shares (in_flight, the log's lines, a client that leaves early)."""
+
+    endpoint: ClassVar[str]
+    scenarios: ClassVar[Collection[str]]
+    prefix_cache: ClassVar[bool] = True  # whether vLLM's prefix cache sees it (and reports it)
 
     def __init__(
         self, stub: StubResource, request: Request, body: dict[str, Any], request_id: str
@@ -115,16 +173,89 @@ class Generation:
         self.body = body
         self.id = request_id
         self.model = body.get("model", "stub")
-        self.scenario = _scenario(body.get("messages") or [])
-        self.prompt_tokens = len(prompt_words(body.get("messages"))) + 4 * len(
-            body.get("messages") or []
-        )
-        self.cached_tokens = 0
+        self.created = int(time.time())
+        self.streaming = False
+        self.prompts = self._prompts()
+        self.prompt_tokens = sum(len(p) for p in self.prompts)
+        self.cache_hits = [0] * len(self.prompts)  # per prompt, set by the stub's prefix cache
+        self.scenario = _scenario(self._scenario_words(), self.scenarios)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._call: IDelayedCall | None = None
-        self._paused = False
         self._done = False
+
+    @classmethod
+    def invalid(cls, body: dict[str, Any], settings: StubSettings) -> str | None:
+        """vLLM's validation of the request body: a 400's message, or None."""
+        return None
+
+    @abstractmethod
+    def _prompts(self) -> list[list[str]]:
+        """Each prompt (vLLM schedules a sequence for each) as the stub's tokens."""
+
+    @abstractmethod
+    def _scenario_words(self) -> list[str]:
+        """The words a scenario is picked from."""
+
+    @property
+    @abstractmethod
+    def output_tokens(self) -> int:
+        """The output tokens vLLM's context check adds to each prompt."""
+
+    @property
+    @abstractmethod
+    def digest(self) -> str:
+        """The digest of the prompt for the `start` line."""
+
+    @abstractmethod
+    def answer_whole(self) -> bytes:
+        """The whole answer's body (setting any header of its own); HTTPError refuses it."""
+
+    def log(self, event: str, **fields: Any) -> None:
+        self.stub.log.write(event, self.id, endpoint=self.endpoint, **fields)
+
+    def call_later(self, delay: float, f: Callable[[], None]) -> None:
+        """Runs `f` on the stub's clock, unless the client leaves first."""
+        self._call = self.stub.clock.callLater(delay, f)
+
+    def finish(self, event: str) -> None:
+        """The exchange is over: out of in_flight, and its one closing line in the log."""
+        if self._done:
+            return
+        self._done = True
+        self.stub.stats.in_flight -= 1
+        self.stub.stats.completed += event == "complete"
+        if event == "complete":
+            self.log(event, finish=self.finish_reason, tokens=self.completion_tokens)
+        else:
+            self.log(event)
+
+    def client_left(self, reason: Any) -> None:
+        self._cancel_call()
+        if not self._done:
+            self.stub.stats.cancelled += 1
+            self.finish("cancelled")
+
+    def _cancel_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+class Generation(Exchange):
+    """A chat completion: the chunks it sends, paced on the clock, pausable by the client. A
+    subclass says other chunks with the same pacing, faults and usage framing."""
+
+    endpoint = "chat"
+    scenarios = SCENARIOS.keys()
+    LONG_LINE = b'data: {"choices": [{"index": 0, "delta": {"content": "'
+
+    def __init__(
+        self, stub: StubResource, request: Request, body: dict[str, Any], request_id: str
+    ) -> None:
+        super().__init__(stub, request, body, request_id)
+        self.streaming = bool(body.get("stream"))
+        self._paused = False
         self._held_open = False
         self.sent = 0
         options = body.get("stream_options") or {}
@@ -132,42 +263,38 @@ class Generation:
         self.continuous = bool(options.get("continuous_usage_stats"))
         self._chunks = self._plan()
 
+    def _prompts(self) -> list[list[str]]:
+        return [prompt_tokens(self.body.get("messages"))]
+
+    def _scenario_words(self) -> list[str]:
+        messages = self.body.get("messages")
+        messages = messages if isinstance(messages, list) else []
+        last_user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"][-1:]
+        return prompt_words(last_user)
+
+    @property
+    def output_tokens(self) -> int:
+        output = self.body.get("max_tokens") or self.body.get("max_completion_tokens")
+        return output if isinstance(output, int) else 0
+
+    @property
+    def digest(self) -> str:
+        return digest(self.body.get("messages"))
+
     # -- what to say -------------------------------------------------------------------------
 
     def _plan(self) -> Iterator[bytes | str]:
         """Yields SSE payloads (bytes, already framed) or control words: 'reset', 'truncate',
         'stall', 'hold-open' (after [DONE]: leave the body open)."""
-        settings = self.stub.settings
-        max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens") or 10**9
         scenario = self.scenario
-        reasoning_n = settings.reasoning_tokens
-        content_n = settings.content_tokens
-        if scenario in ("content-only", "tool", "parallel-tools", "stop", "long"):
-            reasoning_n = 0
-        if scenario == "long":
-            content_n = 2000
-        if scenario == "reasoning-only":
-            reasoning_n, content_n = 10**9, 0
         if scenario == "endless-error":
             yield b'{"error": {"message": "stub: '
             yield from _endless(16384)
             return
-        if scenario in ("fail", "garbage", "reset", "truncate", "stall", "abort", "long-line"):
-            reasoning_n, content_n = min(reasoning_n, 2), 2
-
-        yield self._chunk({"role": "assistant", "content": ""})
-        reasoning = min(reasoning_n, max_tokens)
-        content = min(content_n, max_tokens - reasoning)
-        for word in _words(REASONING_TEXT, reasoning):
-            yield self._token(self._reasoning(word))
-        if reasoning and content:
-            yield self._chunk({"content": ""})
-        for word in _words(CONTENT_TEXT, content):
-            yield self._token({"content": word, **self._null_reasoning()})
-
+        yield from self._tokens(short=scenario in FAULTS)
         if scenario == "fail":
             error = {
-                "message": "stub: the engine died",
+                "message": ENGINE_DIED,
                 "type": "InternalServerError",
                 "param": None,
                 "code": 500,
@@ -179,30 +306,66 @@ class Generation:
             yield b"data: {this is not json\n\n"
             return
         if scenario == "long-line":
-            yield b'data: {"choices": [{"index": 0, "delta": {"content": "'
+            yield self.LONG_LINE
             yield from _endless(65536)
             return
         if scenario in ("reset", "truncate", "stall"):
             yield scenario
             return
-        if scenario in ("tool", "parallel-tools"):
-            yield from self._tool_calls(2 if scenario == "parallel-tools" else 1)
-            finish = "tool_calls"
-        elif scenario == "abort":
-            finish = "abort"
-        else:
-            finish = "length" if reasoning_n + content_n > max_tokens else "stop"
-        stop_reason = None
-        stops = self.body.get("stop")
-        if scenario == "stop" and isinstance(stops, list) and stops:
-            stop_reason = stops[0]
-        self.finish_reason = finish
-        yield self._chunk({"content": ""}, finish=finish, stop_reason=stop_reason)
+        yield from self._close()
         if self.include_usage:
-            yield frame(self._envelope([], usage=True))
+            yield self._usage_frame()
         yield DONE_FRAME
         if scenario == "open-after-done":
             yield "hold-open"
+
+    def _counts(self) -> tuple[int, int, int]:
+        """The reasoning and content tokens the scenario wants, and max_tokens."""
+        settings = self.stub.settings
+        max_tokens = self.body.get("max_tokens") or self.body.get("max_completion_tokens") or 10**9
+        reasoning, content = settings.reasoning_tokens, settings.content_tokens
+        if self.scenario in ("content-only", "tool", "parallel-tools", "stop", "long"):
+            reasoning = 0
+        if self.scenario == "long":
+            content = 2000
+        if self.scenario == "reasoning-only":
+            reasoning, content = 10**9, 0
+        return reasoning, content, max_tokens
+
+    def _tokens(self, *, short: bool) -> Iterator[bytes]:
+        """The role chunk, then reasoning and content until max_tokens (a few if `short`)."""
+        reasoning_n, content_n, max_tokens = self._counts()
+        if short:
+            reasoning_n, content_n = min(reasoning_n, 2), 2
+        yield self._chunk({"role": "assistant", "content": ""})
+        reasoning = min(reasoning_n, max_tokens)
+        content = min(content_n, max_tokens - reasoning)
+        for word in words(REASONING_TEXT, reasoning):
+            yield self._token(self._reasoning(word))
+        if reasoning and content:
+            yield self._chunk({"content": ""})
+        for word in words(CONTENT_TEXT, content):
+            yield self._token({"content": word, **self._null_reasoning()})
+
+    def _close(self) -> Iterator[bytes]:
+        """Any tool calls, then the finish chunk."""
+        if self.scenario in ("tool", "parallel-tools"):
+            yield from self._tool_calls(2 if self.scenario == "parallel-tools" else 1)
+            finish = "tool_calls"
+        elif self.scenario == "abort":
+            finish = "abort"
+        else:
+            reasoning_n, content_n, max_tokens = self._counts()
+            finish = "length" if reasoning_n + content_n > max_tokens else "stop"
+        stop_reason = None
+        stops = self.body.get("stop")
+        if self.scenario == "stop" and isinstance(stops, list) and stops:
+            stop_reason = stops[0]
+        self.finish_reason = finish
+        yield self._chunk({"content": ""}, finish=finish, stop_reason=stop_reason)
+
+    def _usage_frame(self) -> bytes:
+        return frame(self._envelope([], usage=True))
 
     def _tool_calls(self, count: int) -> Iterator[bytes]:
         tools = self.body.get("tools") or []
@@ -274,7 +437,7 @@ class Generation:
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """vLLM's UsageInfo: `prompt_tokens_details` only with --enable-prompt-tokens-details."""
         if self.stub.settings.prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+            usage["prompt_tokens_details"] = prompt_details(self.prompt_tokens, self.cache_hits[0])
         return usage
 
     # -- sending it --------------------------------------------------------------------------
@@ -294,16 +457,16 @@ class Generation:
         self._call = None
         chunk = next(self._chunks, None)
         if chunk is None:
-            self._finish("complete", finish=self.finish_reason, tokens=self.completion_tokens)
+            self.finish("complete")
             self.request.unregisterProducer()
             self.request.finish()
             return
         if chunk == "reset":
-            self._finish("reset")
+            self.finish("reset")
             self.request.channel.transport.abortConnection()
             return
         if chunk == "truncate":
-            self._finish("truncated")
+            self.finish("truncated")
             self.request.unregisterProducer()
             self.request.channel.transport.loseConnection()
             return
@@ -315,7 +478,7 @@ class Generation:
         if chunk == DONE_FRAME:
             # vLLM's engine has finished the sequence before it yields [DONE]: the generation
             # is over here, and the body's end follows at once (unless the scenario holds it).
-            self._finish("complete", finish=self.finish_reason, tokens=self.completion_tokens)
+            self.finish("complete")
             if next(self._chunks, None) == "hold-open":
                 self._held_open = True
                 self.stub.stats.held_open += 1
@@ -325,24 +488,14 @@ class Generation:
             return
         self._schedule(self.stub.settings.delay)
 
-    def _finish(self, event: str, **fields: Any) -> None:
-        if not self._done:
-            self._done = True
-            self.stub.stats.in_flight -= 1
-            self.stub.stats.completed += event == "complete"
-            self.stub.log.write(event, self.id, **fields)
-
     def client_left(self, reason: Any) -> None:
-        self._cancel_call()
         stats = self.stub.stats
         if self._held_open:
             self._held_open = False
             stats.held_open -= 1
         if self.scenario in ("endless-error", "long-line"):
             stats.endless_bytes = max(stats.endless_bytes, self.sent)
-        if not self._done:
-            self.stub.stats.cancelled += 1
-            self._finish("cancelled")
+        super().client_left(reason)
 
     # IPushProducer: the client's socket buffer is full, or has room again.
     def pauseProducing(self) -> None:
@@ -358,24 +511,29 @@ class Generation:
     def stopProducing(self) -> None:
         self._cancel_call()
 
-    def _cancel_call(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+    def _documents(self) -> Iterator[dict[str, Any]]:
+        """The plan's events, unpaced, for a whole answer: an error event is the HTTP 500 it
+        stands for, and a line that is not JSON (or never ends) cuts the answer before it."""
+        for chunk in self._chunks:
+            if not isinstance(chunk, bytes) or not chunk.startswith(b"data: {"):
+                continue
+            if not chunk.endswith(b"\n\n"):
+                return
+            for event in chunk[:-2].split(b"\n\n"):
+                try:
+                    document = json.loads(event.removeprefix(b"data: "))
+                except ValueError:
+                    return
+                if "error" in document:
+                    raise HTTPError(500, document["error"]["message"])
+                yield document
 
     def answer_whole(self) -> bytes:
         """The non-streaming `chat.completion`, by running the same plan without pacing."""
         message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": []}
         reasoning = []
         finish = None
-        for chunk in self._chunks:
-            if not isinstance(chunk, bytes) or not chunk.startswith(b"data: {"):
-                continue
-            if not chunk.endswith(b"\n\n"):
-                break  # a line that never ends (long-line): answer with what came before it
-            document = json.loads(chunk[6:])
-            if "error" in document:
-                raise HTTPError(500, document["error"]["message"])
+        for document in self._documents():
             for choice in document.get("choices", []):
                 delta = choice["delta"]
                 message["content"] += delta.get("content") or ""

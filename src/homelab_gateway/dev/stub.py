@@ -1,16 +1,19 @@
 """A stand-in for vLLM's OpenAI-compatible server, for the demo, the tests and the benchmarks.
 
-It reproduces vLLM's wire format, including what trips translators: a first chunk of
+It serves POST /v1/chat/completions, /v1/completions, /v1/embeddings and /tokenize, and GET
+/v1/models, in vLLM's wire format, including what trips translators: a first chunk of
 `{"role":"assistant","content":""}`, reasoning as `delta.reasoning` (or `reasoning_content`, or
 both, as vLLM versions did), `{"content":""}` at the reasoning/content switch and in the finish
 chunk, a non-standard `stop_reason`, usage on every chunk with `continuous_usage_stats`, a final
 `"choices": []` usage chunk, then `data: [DONE]`. Headers go out at once and the first token
-after `hold` seconds, like a prefill.
+after `hold` seconds, like a prefill; a whole answer (an embedding always) after `hold`.
 
-A word in the last user message picks a scenario (see SCENARIOS). The log gets a line when a
-request starts (with a digest of its prompt, so a test can tell whether one request ran twice,
-even across restarts of the stub), when it completes (when `[DONE]` is written, as vLLM's
-engine is done by then), on a `hangup` and, the moment the client leaves early, `cancelled`.
+A word in the prompt picks a scenario (see SCENARIOS): in chat's last user message, in any text
+prompt of a completion or input of an embedding. The log gets a line, naming the `endpoint`,
+when a request starts (with a digest of its prompt, so a test can tell whether one request ran
+twice, even across restarts of the stub), when it completes (when `[DONE]` is written, as
+vLLM's engine is done by then), when it is refused, on a `hangup` and, the moment the client
+leaves early, `cancelled`.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from twisted.python import usage
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from homelab_gateway.dev.completions import Completion
+from homelab_gateway.dev.embeddings import EMBEDDING_SCENARIOS, Embedding
 from homelab_gateway.dev.generation import (
+    CHAT_ONLY,
     SCENARIOS,
+    Exchange,
     Generation,
     HTTPError,
     cached_tokens,
-    digest,
-    prompt_tokens,
     prompt_words,
 )
 
@@ -51,9 +56,13 @@ class StubSettings:
     # None: nothing enforced (benchmarks and tests ask for huge max_tokens), /tokenize says 32768.
     max_model_len: int | None = None
     # vLLM's --enable-prompt-tokens-details: usage says the prefix-cache hits (cached_tokens)
+    # and what the prefill wrote to the cache (created_cache_tokens)
     prompt_tokens_details: bool = False
     # vLLM's --scheduling-policy: "fcfs" refuses a non-zero `priority`, "priority" takes it.
     scheduling_policy: str = "fcfs"
+    embedding_size: int = 8  # the embedding model's hidden size: a vector's length
+    # The model is matryoshka: `dimensions` slices its vectors (else vLLM refuses `dimensions`)
+    matryoshka: bool = True
 
 
 @dataclass
@@ -135,16 +144,18 @@ class StubResource(Resource):
         request.setResponseCode(404)
         return _error_body(404, f"no route for GET {path.decode()}")
 
-    def _too_long(self, generation: Generation) -> tuple[int, str] | None:
-        """vLLM's context check, and its prefix cache's view of the prompt that passes."""
+    def _too_long(self, exchange: Exchange) -> tuple[int, str] | None:
+        """vLLM's context check of each prompt, and its prefix cache's view of those that
+        pass, one after the other."""
         window = self.settings.max_model_len
-        output = generation.body.get("max_tokens") or generation.body.get("max_completion_tokens")
-        output = output if isinstance(output, int) else 0
-        if window is not None and generation.prompt_tokens + output > window:
-            return 400, _overflow_message(window, generation.prompt_tokens, output)
-        tokens = prompt_tokens(generation.body.get("messages"))
-        generation.cached_tokens = cached_tokens(tokens, self._last_prompt)
-        self._last_prompt = tokens
+        output = exchange.output_tokens
+        for tokens in exchange.prompts:
+            if window is not None and len(tokens) + output > window:
+                return 400, _overflow_message(window, len(tokens), output)
+        if exchange.prefix_cache:
+            for index, tokens in enumerate(exchange.prompts):
+                exchange.cache_hits[index] = cached_tokens(tokens, self._last_prompt)
+                self._last_prompt = tokens
         return None
 
     def render_POST(self, request: Request) -> bytes | int:
@@ -153,6 +164,8 @@ class StubResource(Resource):
         try:
             body = json.loads(request.content.read())
         except ValueError:
+            body = None
+        if not isinstance(body, dict):
             request.setResponseCode(400)
             return _error_body(400, "request body is not JSON")
         if path == b"/tokenize":
@@ -165,9 +178,14 @@ class StubResource(Resource):
                     "tokens": list(range(count)),
                 }
             ).encode()
-        if path != b"/v1/chat/completions":
+        kind = ENDPOINTS.get(path)
+        if kind is None:
             request.setResponseCode(404)
             return _error_body(404, f"no route for POST {path.decode()}")
+        problem = kind.invalid(body, self.settings)
+        if problem is not None:
+            request.setResponseCode(400)
+            return _error_body(400, problem)
         model = body.get("model")
         priority = body.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -184,63 +202,68 @@ class StubResource(Resource):
             request.setResponseCode(404)
             return _error_body(404, f"The model `{model}` does not exist.")
         self._counter += 1
-        request_id = f"{self._counter}"
-        generation = Generation(self, request, body, request_id)
+        exchange = kind(self, request, body, f"{self._counter}")
         stats = self.stats
         stats.requests += 1
         stats.models[str(model)] = stats.models.get(str(model), 0) + 1
-        self.log.write(
+        exchange.log(
             "start",
-            request_id,
             model=model,
-            stream=bool(body.get("stream")),
-            scenario=generation.scenario,
+            stream=exchange.streaming,
+            scenario=exchange.scenario,
             user=body.get("user"),
             priority=body.get("priority"),
-            prompt=digest(body.get("messages")),
+            prompt=exchange.digest,
         )
-        refusal = {
-            "error500": (500, "stub: internal error before the stream"),
-            "error400": (
-                400,
-                "This model's maximum context length is 32768 tokens. "
-                "However, you requested 99999 tokens.",
-            ),
-            "overloaded": (503, "stub: the server is overloaded"),
-        }.get(generation.scenario)
-        refusal = refusal or self._too_long(generation)
+        refusal = REFUSALS.get(exchange.scenario) or self._too_long(exchange)
         if refusal is not None:
-            self.log.write("refused", request_id, status=refusal[0])
+            exchange.log("refused", status=refusal[0])
             request.setResponseCode(refusal[0])
             return _error_body(*refusal)
-        if generation.scenario == "hangup":
+        if exchange.scenario == "hangup":
             stats.hangups += 1
-            self.log.write("hangup", request_id)
+            exchange.log("hangup")
             request.channel.transport.loseConnection()
             return NOT_DONE_YET
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
-        request.notifyFinish().addErrback(generation.client_left)
-        if generation.scenario == "endless-error":
+        request.notifyFinish().addErrback(exchange.client_left)
+        if isinstance(exchange, Generation) and exchange.scenario == "endless-error":
             request.setResponseCode(500)
-            generation.start(b"application/json")
+            exchange.start(b"application/json")
             return NOT_DONE_YET
-        if body.get("stream"):
-            generation.start()
+        if isinstance(exchange, Generation) and exchange.streaming:
+            exchange.start()
             return NOT_DONE_YET
 
         def answer() -> None:
             try:
-                payload = generation.answer_whole()
+                payload = exchange.answer_whole()
             except HTTPError as e:
                 request.setResponseCode(e.status)
                 payload = _error_body(e.status, e.message)
-            generation._finish("complete", finish="stop", tokens=generation.completion_tokens)
+            exchange.finish("complete")
             request.write(payload)
             request.finish()
 
-        generation._call = self.clock.callLater(self.settings.hold, answer)
+        exchange.call_later(self.settings.hold, answer)
         return NOT_DONE_YET
+
+
+ENDPOINTS: dict[bytes, type[Exchange]] = {
+    b"/v1/chat/completions": Generation,
+    b"/v1/completions": Completion,
+    b"/v1/embeddings": Embedding,
+}
+REFUSALS = {
+    "error500": (500, "stub: internal error before the stream"),
+    "error400": (
+        400,
+        "This model's maximum context length is 32768 tokens. However, you requested 99999 tokens.",
+    ),
+    "overloaded": (503, "stub: the server is overloaded"),
+}
+"""What the refusal scenarios answer, before any token."""
 
 
 def _overflow_message(window: int, prompt: int, output: int) -> str:
@@ -265,8 +288,14 @@ def stub_site(settings: StubSettings, clock: IReactorTime, log: StubLog) -> Site
 
 class Options(usage.Options):
     synopsis = "[options]"
-    longdesc = "A vLLM-faithful stub upstream. Scenarios (a word in the prompt): " + ", ".join(
-        f"{k} ({v})" for k, v in SCENARIOS.items()
+    longdesc = (
+        "A vLLM-faithful stub upstream. Scenarios (a word in the prompt): "
+        + ", ".join(f"{k} ({v})" for k, v in SCENARIOS.items())
+        + ". Completions take all but "
+        + ", ".join(sorted(CHAT_ONLY))
+        + "; embeddings only "
+        + ", ".join(sorted(EMBEDDING_SCENARIOS))
+        + "."
     )
     optParameters = [
         ["port", "p", "8001", "Port, or a Twisted endpoint string, to listen on", str],
@@ -277,6 +306,7 @@ class Options(usage.Options):
         ["content-tokens", None, 8, "Content tokens per answer", int],
         ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
         ["max-model-len", None, None, "Context window, enforced as vLLM's", int],
+        ["embedding-size", None, 8, "Length of an embedding (the model's hidden size)", int],
         ["log", None, None, "Append a line per request start, completion, cancellation, hangup"],
     ]
 
@@ -306,6 +336,7 @@ class Options(usage.Options):
             models=tuple(self["models"]),
             max_model_len=self["max-model-len"],
             prompt_tokens_details=bool(self["enable-prompt-tokens-details"]),
+            embedding_size=self["embedding-size"],
         )
 
     def endpoint_description(self) -> str:
