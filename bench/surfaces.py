@@ -40,13 +40,18 @@ slots = 8
 
 [models.bulk]
 upstream = "bulk"
+
+[models.renamed]
+upstream = "bulk"
+upstream_model = "bulk"
 """
 
 
 async def surfaces(
     direct: str, gateway: str, stats: ProcessStats, rounds: int, tokens: int = STREAM_TOKENS
 ) -> dict[str, Any]:
-    chat = {**openai_body("content-only", tokens), "model": "bulk"}
+    # A name the upstream does not answer with, so every chunk is renamed, as in real use.
+    chat = {**openai_body("content-only", tokens), "model": "renamed"}
     sides = {
         "direct": (
             direct + "/chat/completions",

@@ -171,21 +171,44 @@ def sent(request: Any) -> dict[str, Any]:
 
 
 def test_a_streamed_request_asks_for_usage_keeping_the_clients_options() -> None:
-    request = mapped(
-        "chat",
-        {
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-            "stream_options": {"continuous_usage_stats": True},
-        },
-    )
-    assert sent(request)["stream_options"] == {
-        "continuous_usage_stats": True,
-        "include_usage": True,
-    }
+    messages = [{"role": "user", "content": "hi"}]
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    asked = mapped("chat", {"messages": messages, "stream": True, "stream_options": both})
+    assert sent(asked)["stream_options"] == both and asked.include_usage
+    # vLLM sends usage in every chunk only with the usage chunk: not to a client that did not
+    # ask for that one
+    alone = {"continuous_usage_stats": True}
+    request = mapped("chat", {"messages": messages, "stream": True, "stream_options": alone})
+    assert sent(request)["stream_options"] == {"include_usage": True}
     assert not request.include_usage
-    whole = mapped("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    whole = mapped("chat", {"messages": messages, "stream": None})
     assert "stream_options" not in sent(whole) and not whole.packed.stream
+
+
+def test_a_clients_priority_never_reaches_the_upstream() -> None:
+    request = mapped("chat", {"messages": [{"role": "user", "content": "hi"}], "priority": -9})
+    assert "priority" not in sent(request)
+
+
+def test_vllms_other_prompt_fields_are_taken() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert sent(mapped("embeddings", {"messages": messages}))["messages"] == messages
+    assert sent(mapped("completions", {"prompt_embeds": "AAAA"}))["prompt_embeds"] == "AAAA"
+    echo = {"prompt": "x", "echo": True, "max_tokens": 0}
+    assert sent(mapped("completions", echo))["max_tokens"] == 0
+    with pytest.raises(InvalidRequest):
+        mapped("chat", {"messages": messages, "max_tokens": 0})
+
+
+def test_the_cap_lowers_a_max_tokens_the_models_params_set() -> None:
+    capped = ModelConfig(
+        name="local",
+        upstream="vllm",
+        upstream_model="m",
+        max_tokens=100,
+        params={"max_tokens": 900},
+    )
+    assert sent(mapped("completions", {"prompt": "x"}, capped))["max_tokens"] == 100
 
 
 def test_the_session_is_the_prompt_cache_key_then_the_user() -> None:
@@ -251,6 +274,21 @@ def test_a_529_is_openais_429_when_the_line_refused_else_503(
     body = error.openai_body()["error"]
     assert body["type"] == ("rate_limit_error" if status == 429 else "server_error")
     assert body["code"] == ("rate_limit_exceeded" if status == 429 else None)
+
+
+def test_an_error_event_of_any_shape_ends_the_stream_readably() -> None:
+    relay = StreamRelay("mine", include_usage=False)
+    out = relay.feed(chunk("a") + 'data: {"error": "模型"}\n\n'.encode())
+    assert relay.failed and relay.error == {
+        "message": "模型",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    assert out.endswith(b"\n\n") and b"[DONE]" not in out
+    quiet = StreamRelay("mine", include_usage=False)
+    quiet.feed(chunk("a", error=None))
+    assert not quiet.failed  # a chunk that says "no error" is no error
 
 
 def test_an_upstreams_flat_error_is_written_in_openais_shape() -> None:

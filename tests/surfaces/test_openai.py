@@ -9,8 +9,12 @@ import json
 import re
 from typing import Any
 
+import pytest
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.openai import StreamRelay
+from homelab_gateway.surfaces.openai import early_failure
 from homelab_gateway.web.access import AccessPolicy
 from homelab_gateway.web.channel import WireLimits
 from tests.helpers import (
@@ -106,6 +110,7 @@ class OpenAISurface(TestCase):
 def same_but_ids(text: str) -> str:
     """Streams of two runs differ in their ids and timestamps only."""
     text = re.sub(r'"created":( ?)\d+', r'"created":\g<1>0', text)
+    text = re.sub(r'"id":( ?)"cmpl-\d+"', r'"id":\g<1>"cmpl"', text)
     text = re.sub(r'"id":( ?)"chatcmpl-tool-[0-9a-f]+"', r'"id":\g<1>"tool"', text)
     return re.sub(r'"id":( ?)"chatcmpl-\d+"', r'"id":\g<1>"chatcmpl"', text)
 
@@ -284,6 +289,21 @@ class Errors(OpenAISurface):
         self.assertEqual(json.loads(response.body_text())["error"]["type"], "invalid_request_error")
 
 
+class SlowWholeAnswers(OpenAISurface):
+    stub_settings = {"hold": 2.0}
+    gateway_overrides = {"upstream": {"connect_timeout": 0.2, "idle_timeout": 0.5}}
+
+    @async_test
+    async def test_a_whole_answer_past_idle_timeout_is_a_504_and_no_fault_of_the_replicas(
+        self,
+    ) -> None:
+        error = await self.error(chat(stream=False), 504)
+        self.assertIn("stream it", error["message"])
+        self.assertEqual(self.servers.gateway.pools["vllm"].replica.circuit.state, "up")
+        await wait_for(lambda: self.log.events("cancelled"), what="the upstream to be cancelled")
+        await self.settled()
+
+
 class TheLine(OpenAISurface):
     gateway_overrides = {"slots": 1}
 
@@ -359,3 +379,102 @@ class TheLine(OpenAISurface):
         self.assertEqual(error["code"], "rate_limit_exceeded")
         busy.disconnect()
         await self.settled()
+
+
+class CompletionsAndEmbeddings(OpenAISurface):
+    gateway_overrides = {"slots": 1}
+
+    async def direct_to(self, path: str, body: dict[str, Any]) -> Any:
+        port = int(self.stub_url.rsplit(":", 1)[1].split("/")[0])
+        response = raw_request(port, "POST", "/v1" + path, {**body, "model": "Qwen/QwQ-32B"})
+        await response.closed
+        return response
+
+    @async_test
+    async def test_completions_stream_and_answer_whole_as_the_upstream_does(self) -> None:
+        for stream in (True, False):
+            body = {"model": "reasoning", "prompt": "once upon", "max_tokens": 8, "stream": stream}
+            response = await self.post(body, path="/llm/v1/completions")
+            self.assertEqual(response.status, 200, response.body_text())
+            theirs = await self.direct_to("/completions", body)
+            text = same_but_ids(response.body_text())
+            expected = theirs.body_text().replace('"Qwen/QwQ-32B"', '"reasoning"')
+            self.assertEqual(text, same_but_ids(expected))
+            if stream:
+                self.assertTrue(text.endswith("data: [DONE]\n\n"))
+                self.assertNotIn([], [c["choices"] for c in chunks(text)])
+        self.assertEqual(self.bodies[-1]["model"], "Qwen/QwQ-32B")
+
+    @async_test
+    async def test_embeddings_in_every_format_are_the_upstreams_bytes_renamed(self) -> None:
+        for encoding in ("float", "base64", "bytes", "bytes_only"):
+            body = {"model": "reasoning", "input": ["a", "b"], "encoding_format": encoding}
+            response = await self.post(body, path="/llm/v1/embeddings")
+            self.assertEqual(response.status, 200, encoding)
+            theirs = await self.direct_to("/embeddings", body)
+            self.assertEqual(response.header("content-type"), theirs.header("content-type"))
+            if encoding.startswith("bytes"):
+                self.assertEqual(response.body_bytes(), theirs.body_bytes(), encoding)
+                metadata = response.header("metadata")
+                if encoding == "bytes":
+                    self.assertEqual(json.loads(metadata)["model"], "reasoning")
+                    self.assertEqual(
+                        re.sub(r'"(id|created)": [^,]+', "", metadata),
+                        re.sub(
+                            r'"(id|created)": [^,]+',
+                            "",
+                            theirs.header("metadata").replace("Qwen/QwQ-32B", "reasoning"),
+                        ),
+                    )
+                else:
+                    self.assertIsNone(metadata)
+                continue
+            mine = json.loads(response.body_text())
+            expected = json.loads(theirs.body_text())
+            self.assertEqual(mine["model"], "reasoning", encoding)
+            self.assertEqual(mine["data"], expected["data"], encoding)
+            self.assertEqual(mine["usage"], expected["usage"], encoding)
+
+    @async_test
+    async def test_an_embedding_waits_in_the_line_like_any_request(self) -> None:
+        busy = raw_request(self.port, "POST", CHAT, chat("long"))
+        await busy.until_text('"content":"')
+        waiting = raw_request(
+            self.port, "POST", "/llm/v1/embeddings", {"model": "reasoning", "input": "x"}
+        )
+        await wait_for(lambda: len(self.line.waiting) == 1, what="the embedding to wait")
+        self.assertEqual(waiting.raw, b"")  # a whole answer says nothing while it waits
+        busy.disconnect()
+        await waiting.closed
+        self.assertEqual(waiting.status, 200)
+        await self.settled()
+
+    @async_test
+    async def test_a_bad_input_names_its_field(self) -> None:
+        error = await self.error(
+            {"model": "reasoning", "input": []}, 400, path="/llm/v1/embeddings"
+        )
+        self.assertEqual(error["param"], "input")
+        error = await self.error({"model": "reasoning"}, 400, path="/llm/v1/completions")
+        self.assertEqual(error["param"], "prompt")
+
+
+class _Stream:
+    started = False
+
+
+def test_a_stream_that_fails_before_any_byte_went_out_is_an_http_error() -> None:
+    relay = StreamRelay("mine", include_usage=False)
+    relay.feed(b'data: {"error": {"message": "grammar failed", "code": 400}}\n\n')
+    with pytest.raises(GatewayError) as caught:
+        early_failure(relay, _Stream())  # type: ignore[arg-type]
+    assert (caught.value.status, caught.value.upstream_status) == (400, 400)
+    assert json.loads(caught.value.upstream_body or b"")["error"]["message"] == "grammar failed"
+    broken = StreamRelay("mine", include_usage=False)
+    broken.eof("vllm")
+    with pytest.raises(GatewayError) as caught:
+        early_failure(broken, _Stream())  # type: ignore[arg-type]
+    assert caught.value.status == 502
+    started = _Stream()
+    started.started = True
+    early_failure(broken, started)  # type: ignore[arg-type]  # too late: the error line says it

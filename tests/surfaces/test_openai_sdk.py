@@ -196,3 +196,21 @@ def test_a_full_line_is_a_rate_limit_the_sdk_would_retry(client: openai.OpenAI) 
     finally:
         for thread in threads:
             thread.join(30)
+
+
+def test_embeddings_as_the_sdk_asks_them(client: openai.OpenAI) -> None:
+    floats = client.embeddings.create(model="reasoning", input=["a", "b"], encoding_format="float")
+    packed = client.embeddings.create(model="reasoning", input=["a", "b"])  # base64, decoded
+    assert floats.model == packed.model == "reasoning"
+    assert [e.embedding for e in floats.data] == [e.embedding for e in packed.data]
+    assert len(floats.data) == 2 and floats.usage.prompt_tokens > 0
+
+
+def test_legacy_completions_stream_and_whole(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(model="reasoning", prompt="once upon", max_tokens=4, stream=True)
+    )
+    assert {chunk.model for chunk in chunks} == {"reasoning"} and all(c.choices for c in chunks)
+    whole = client.completions.create(model="reasoning", prompt="once upon", max_tokens=4)
+    assert whole.model == "reasoning"
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks)

@@ -39,14 +39,20 @@ OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")
 DONE = b"data: [DONE]\n\n"
 USAGE_TAIL = 4096
 """Bytes of a whole answer's end kept to read its usage from: vLLM writes `usage` last."""
-MODEL_HEAD = 64 * 1024
-"""Bytes of a whole answer held back while its top-level `model` is looked for: servers write
-it first (vLLM, llama.cpp, Ollama), and a body that has none by then passes on as it is."""
+MODEL_HEAD = 1024 * 1024
+"""Bytes of a whole answer held back at most while its top-level `model` is looked for. vLLM
+and Ollama write it first, so their answers pass on at once; llama.cpp writes it after the
+choices. A body that has none by then passes on as it is."""
 PLAIN_EVENT = re.compile(rb"data: ([^\r\n]*)\n\n")
 """One whole event as vLLM, llama.cpp and Ollama write every chunk: one `data:` line."""
-_SPECIAL = re.compile(rb'"error"|"choices"\s*:\s*\[\s*\]|"finish_reason"\s*:\s*"')
-"""What only an error event, the usage chunk or a choice's last chunk has: those are parsed
-in full. (Quotes inside a JSON string are escaped, so these bytes are never text.)"""
+_LAYOUTS = {
+    b'"model":': (b'"error"', b'"choices":[]', b'"finish_reason":"', b"[DONE]"),
+    b'"model": ': (b'"error"', b'"choices": []', b'"finish_reason": "', b"[DONE]"),
+}
+"""For a server's way of writing keys (compact, as vLLM's pydantic and llama.cpp write them, or
+Python's `": "`), the bytes only an error event, the usage chunk, a choice's last chunk or
+`[DONE]` can have: a read without any of them is plain chunks only. (Quotes inside a JSON
+string are escaped, so these bytes are never text.)"""
 _MODEL_KEY = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")?')
 
 
@@ -65,26 +71,29 @@ def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
     InvalidRequest naming the field. The model's `params` go under the client's own fields,
     and its `max_tokens` caps the output (a chat request that sets none gets it)."""
     client_model = request_model(body)
-    prompt_field = PROMPTS[kind]
+    prompt_field = _prompt_field(kind, body)
     prompt = body.get(prompt_field)
     _check_prompt(kind, prompt_field, prompt)
     out = merge(model.params, body)
     out["model"] = model.upstream_model
+    # vLLM's scheduler order is the gateway's to give (`forward_priority`), not a client's.
+    out.pop("priority", None)
+    least = 0 if kind == "completions" else 1  # 0 with `echo`: vLLM scores the prompt alone
     for name in OUTPUT_LIMITS:
         value = body.get(name)
-        if value is None:
-            continue
-        if not _is_int(value) or value < 1:
-            raise InvalidRequest(f"{name}: must be an integer >= 1, got {kind_of(value)}", name)
-        if model.max_tokens is not None:
-            out[name] = min(value, model.max_tokens)
+        if value is not None and (not _is_int(value) or value < least):
+            raise InvalidRequest(
+                f"{name}: must be an integer >= {least}, got {kind_of(value)}", name
+            )
+        if _is_int(out.get(name)) and model.max_tokens is not None:
+            out[name] = min(out[name], model.max_tokens)
     if (
         kind == "chat"
         and model.max_tokens is not None
         and not any(out.get(name) is not None for name in OUTPUT_LIMITS)
     ):
         out["max_tokens"] = model.max_tokens
-    stream = body.get("stream", False)
+    stream = body.get("stream") or False  # null is vLLM's default, as absent
     if kind == "embeddings":
         stream = False
     elif not isinstance(stream, bool):
@@ -98,8 +107,12 @@ def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
             )
         include_usage = bool(options and options.get("include_usage"))
         # Asked for always, for the gateway's own counts; a client that did not ask never
-        # sees the usage chunk (`StreamRelay`).
-        out["stream_options"] = {**(options or {}), "include_usage": True}
+        # sees the usage chunk (`StreamRelay`), nor usage in every chunk, which vLLM sends only
+        # with the usage chunk.
+        options = dict(options or {})
+        if not include_usage:
+            options.pop("continuous_usage_stats", None)
+        out["stream_options"] = {**options, "include_usage": True}
     session = next(
         (
             value
@@ -121,7 +134,21 @@ def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
     return OpenAIRequest(kind, mapped.packed(), include_usage, session)
 
 
+def _prompt_field(kind: str, body: Mapping[str, Any]) -> str:
+    """Where the prompt is: vLLM also takes an embeddings request in chat's `messages`, and a
+    completion of `prompt_embeds` alone."""
+    if kind == "embeddings" and "input" not in body and "messages" in body:
+        return "messages"
+    if kind == "completions" and "prompt" not in body and "prompt_embeds" in body:
+        return "prompt_embeds"
+    return PROMPTS[kind]
+
+
 def _check_prompt(kind: str, name: str, prompt: Any) -> None:
+    if name == "prompt_embeds":
+        return  # base64 tensors: the upstream's to read
+    if name == "messages":
+        kind = "chat"
     if kind == "chat":
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest(f"{name}: must be a non-empty array, got {kind_of(prompt)}", name)
@@ -179,6 +206,8 @@ def _upstream_error(body: bytes) -> dict[str, Any] | None:
     error = document.get("error")
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return error
+    if isinstance(error, str):  # Ollama's, and proxies'
+        return {"message": error, "type": "server_error", "param": None, "code": None}
     if document.get("object") == "error" and isinstance(document.get("message"), str):
         return {key: value for key, value in document.items() if key != "object"}
     return None
@@ -189,10 +218,9 @@ def error_line(document: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(document) + b"\n\n"
 
 
-def failure_line(message: str, error_type: str = "server_error") -> bytes:
-    return error_line(
-        {"error": {"message": message, "type": error_type, "param": None, "code": None}}
-    )
+def failure(message: str) -> dict[str, Any]:
+    """The error of a stream the gateway itself found broken."""
+    return {"message": message, "type": "server_error", "param": None, "code": None}
 
 
 def renamed(data: bytes, document: Any, name: str) -> bytes:
@@ -304,18 +332,27 @@ class StreamRelay:
         self.usage: dict[str, Any] | None = None
         self.chunks = 0  # chunks with output in them: the count until usage says
         self.finish_reason: str | None = None
+        self.error: dict[str, Any] | None = None  # what the stream failed with
         self.started = False  # a chunk with output has been passed on
         self._parser = SSEParser()
         # The model as the last parsed chunk wrote it (`"model":"Qwen/QwQ-32B"`), and what
         # it becomes; None until a chunk said one.
         self._said: bytes | None = None
         self._says: bytes = b""
+        self._prefix: bytes | None = None  # what came before it, the last time
+        self._special: tuple[bytes, ...] = ()  # what only special chunks have, in its layout
 
     @property
     def over(self) -> bool:
         return self.done or self.failed
 
     def feed(self, data: bytes) -> bytes:
+        if self.over:
+            return b""
+        if self._said is not None and self._parser.idle and data.endswith(b"\n\n"):
+            run = self._run(data)
+            if run is not None:
+                return run
         out: list[bytes] = []
         parser, match = self._parser, PLAIN_EVENT.match
         position, size = 0, len(data)
@@ -347,16 +384,56 @@ class StreamRelay:
             position = end
         return b"".join(out)
 
+    def _run(self, data: bytes) -> bytes | None:
+        """A read of plain chunks only (the common read), renamed in one pass; None where one
+        of them is not as the chunks before it, or may be special (the caller then takes them
+        one by one). Literal searches, not a regex: a regex over every read cost more than all
+        the rest of the relay (`python -m bench.surfaces`)."""
+        said, says = self._said, self._says
+        assert said is not None
+        if b"\r" in data or any(mark in data for mark in self._special):
+            return None
+        events = data.split(b"\n\n")
+        events.pop()  # after the last event's blank line
+        out = []
+        for event in events:
+            at = event.find(said)
+            if (
+                at == -1
+                or not event.startswith(b"data: ")
+                or b"\n" in event
+                or not self._known_prefix(event, at)
+            ):
+                return None
+            out.append(event[:at] + says + event[at + len(said) :])
+        if said != says:
+            data = b"\n\n".join(out) + b"\n\n"
+        self.chunks += len(events)
+        self.started = True
+        return data
+
+    def _known_prefix(self, event: bytes, at: int) -> bool:
+        """Whether `said` at `at` in `event` (`data: {...}`) is its top-level model: what
+        precedes it is what preceded it last time (a stream's id and object stay, `created`
+        changes once a second), or makes it top-level anew."""
+        prefix = event[6:at]
+        if prefix == self._prefix:
+            return True
+        if not _top_level(event[6:], at - 6):
+            return False
+        self._prefix = prefix
+        return True
+
     def _plain(self, payload: bytes, data: bytes, start: int, end: int) -> bytes:
         """One `data: ...` event, `data[start:end]`: passed as it is, or renamed in place."""
         if payload == b"[DONE]":
             self.done = True
             return DONE
         said = self._said
-        if said is None or _SPECIAL.search(payload) is not None:
+        if said is None or any(mark in payload for mark in self._special):
             return self._event(payload)
         at = payload.find(said)
-        if at == -1 or not _top_level(payload, at):
+        if at == -1 or not self._known_prefix(b"data: " + payload, at + 6):
             return self._event(payload)
         # Any other chunk after the first says something (a token, a tool call's piece): the
         # count until the usage chunk gives the real one.
@@ -376,10 +453,9 @@ class StreamRelay:
         except ValueError:
             return self.fail("upstream sent a line that is not JSON")
         if isinstance(document, dict):
-            if "error" in document or document.get("object") == "error":
-                self.failed = True
+            if isinstance(document.get("error"), dict | str) or document.get("object") == "error":
                 found = _upstream_error(data)
-                return error_line({"error": found}) if found else failure_line(data[:500].decode())
+                return self._end(found or failure(data[:500].decode("utf-8", "replace")))
             choices = document.get("choices")
             usage = document.get("usage")
             if isinstance(usage, dict):
@@ -400,6 +476,11 @@ class StreamRelay:
             self._said = None
             return
         key, start, end = spot
+        layout = _LAYOUTS.get(data[key:start])
+        if layout is None:  # keys written as no server we know writes them: no shortcut
+            self._said = None
+            return
+        self._special = layout
         self._said = data[key:end]
         self._says = self._said if value == self.name else data[key:start] + orjson.dumps(self.name)
 
@@ -429,8 +510,12 @@ class StreamRelay:
         chunk."""
         if self.over:
             return b""
+        return self._end(failure(message))
+
+    def _end(self, error: dict[str, Any]) -> bytes:
         self.failed = True
-        return failure_line(message)
+        self.error = error
+        return error_line({"error": error})
 
     def eof(self, upstream: str) -> bytes:
         """The body ended: without `[DONE]`, the answer may be cut short, so it fails."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
@@ -36,6 +37,7 @@ from homelab_gateway.core.openai import (
     error_document,
     error_line,
     map_openai,
+    renamed,
 )
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import session_key
@@ -56,8 +58,9 @@ from homelab_gateway.web.respond import send_error
 log = Logger()
 SESSION_HEADER = b"x-session-id"
 """A session header for OpenAI clients, ahead of `prompt_cache_key` and `user`."""
-PASSED_HEADERS = (b"content-type",)
-"""What a whole answer keeps of the upstream's headers: the body says the rest."""
+PASSED_HEADERS = (b"content-type", b"metadata")
+"""What a whole answer keeps of the upstream's headers: the body says the rest, but for vLLM's
+binary embeddings (`encoding_format` `bytes`), whose JSON `metadata` header names the model."""
 
 
 class _Over(Exception):
@@ -202,6 +205,15 @@ class OpenAISurface:
         except CancelledError:
             record.upstream_cancelled = True
             raise
+        except GatewayError as e:
+            if within is None or e.fault != "timeout":
+                raise
+            # It took the request and is generating: no fault of the replica's.
+            raise GatewayError(
+                504,
+                f"{e.message}: a whole answer comes only once it is generated; stream it, or "
+                "raise the upstream's idle_timeout",
+            ) from None
         if response.code not in RETRIED_STATUSES:
             slot.succeeded()  # it answered, even if with the request's own error
         if response.code == 200:
@@ -238,6 +250,7 @@ class OpenAISurface:
         def on_data(data: bytes) -> None:
             out = relay.feed(data)
             if out:
+                early_failure(relay, stream)
                 if record.first_token is None and relay.started:
                     record.first_token = clock.seconds() - sent_at
                 record.output_tokens = relay.output_tokens
@@ -254,7 +267,9 @@ class OpenAISurface:
         except _Over:
             pass
         except UpstreamBroken as e:
-            stream.relay(relay.fail(str(e)))
+            out = relay.fail(str(e))
+            early_failure(relay, stream)
+            stream.relay(out)
         except CancelledError:
             record.upstream_cancelled = True
             raise
@@ -264,7 +279,9 @@ class OpenAISurface:
             record.output_tokens = relay.output_tokens
             record.stop_reason = relay.finish_reason
         if not relay.over:
-            stream.relay(relay.eof(upstream.name))
+            out = relay.eof(upstream.name)
+            early_failure(relay, stream)
+            stream.relay(out)
         if relay.failed:
             record.outcome = record.outcome or "upstream_error"
 
@@ -283,7 +300,8 @@ class OpenAISurface:
         for name in PASSED_HEADERS:
             values = response.headers.getRawHeaders(name)
             if values:
-                request.responseHeaders.setRawHeaders(name, values)
+                renamed = [_renamed_header(value, mapped.packed.model) for value in values]
+                request.responseHeaders.setRawHeaders(name, renamed)
         content_type = (response.headers.getRawHeaders(b"content-type") or [b""])[0]
         relay = WholeRelay(mapped.packed.model, rename=b"json" in content_type.lower())
 
@@ -312,6 +330,29 @@ class OpenAISurface:
         ):
             if isinstance(usage.get(name), int):
                 setattr(record, field, usage[name])
+
+
+def early_failure(relay: StreamRelay, stream: EventStream) -> None:
+    """A stream that failed before a byte reached its client fails as an HTTP error: its
+    upstream's own status where its error says one, else 502."""
+    if not relay.failed or stream.started or relay.error is None:
+        return
+    error = relay.error
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 502
+    message = error.get("message")
+    failed = GatewayError(status, message if isinstance(message, str) else "upstream failed")
+    failed.upstream_body, failed.upstream_status = orjson.dumps({"error": error}), status
+    raise failed
+
+
+def _renamed_header(value: bytes, name: str) -> bytes:
+    """A header's value, its top-level model renamed where it is a JSON object."""
+    try:
+        document = orjson.loads(value)
+    except ValueError:
+        return value
+    return renamed(value, document, name)
 
 
 def _send_error(request: IRequest, error: GatewayError) -> bytes:

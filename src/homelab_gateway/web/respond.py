@@ -20,7 +20,7 @@ OPENAI_PATHS = frozenset(
 
 def shape_of(path: bytes) -> Shape:
     """The error shape of a path, for answers given before any route is chosen."""
-    if path.rstrip(b"/") in OPENAI_PATHS:
+    if path.partition(b"?")[0].rstrip(b"/") in OPENAI_PATHS:
         return "openai"
     return "anthropic" if path.startswith(b"/llm/") else "plain"
 
