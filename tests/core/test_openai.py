@@ -124,6 +124,45 @@ def test_a_stream_relays_the_same_however_its_reads_split_it(
     assert (relay.input_tokens, relay.output_tokens) == (3, 2)
 
 
+contents = st.text(st.characters(codec="utf-8"), max_size=6) | st.sampled_from(
+    ['"model":"Qwen/QwQ-32B"', "\\", "[DONE]", '"error"', "\n"]
+)
+
+
+@given(
+    st.lists(st.tuples(contents, st.integers(0, 2), st.booleans()), min_size=1, max_size=12),
+    st.lists(st.integers(0, 4000), max_size=3),
+    st.lists(st.integers(0, 12), max_size=6),
+    st.sampled_from(["Qwen/QwQ-32B", "mine"]),
+)
+def test_every_chunk_is_renamed_as_parsing_it_would_rename_it(
+    tokens: list[tuple[str, int, bool]], anywhere: list[int], between: list[int], name: str
+) -> None:
+    """Chunks as vLLM writes them (a `created` that ticks, text of any kind, a nested model
+    now and then), in reads split anywhere and between events (as most reads are): each comes
+    out as renaming its parsed JSON would write it."""
+    events = [
+        {
+            "id": "chatcmpl-1",
+            "created": 100 + second,
+            "model": "Qwen/QwQ-32B",
+            "choices": [{"index": 0, "delta": {"content": text}}],
+            **({"meta": {"model": "Qwen/QwQ-32B"}} if nested else {}),
+        }
+        for text, second, nested in tokens
+    ]
+    framed = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
+    stream = b"".join(framed)
+    ends = [sum(map(len, framed[: i + 1])) for i in range(len(framed))]
+    cuts = anywhere + [ends[i % len(ends)] for i in between]
+    relay = StreamRelay(name, include_usage=False)
+    points = sorted({min(c, len(stream)) for c in cuts})
+    pieces = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    out = b"".join(relay.feed(piece) for piece in pieces)
+    assert out == b"".join(b"data: " + orjson.dumps({**e, "model": name}) + b"\n\n" for e in events)
+    assert not relay.failed
+
+
 def test_the_stream_is_renamed_and_the_usage_chunk_kept_only_if_asked() -> None:
     plain = StreamRelay("mine", include_usage=False).feed(STREAM)
     assert plain == STREAM.replace(b'"Qwen/QwQ-32B"', b'"mine"').replace(

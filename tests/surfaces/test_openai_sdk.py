@@ -29,7 +29,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.Ope
     cwd = tmp_path_factory.mktemp("openai-sdk")
     fast, fast_url = start_stub(cwd, "--delay", "0.002")
     slow, slow_url = start_stub(
-        cwd, "--hold", "3", "--reasoning-tokens", "2", "--content-tokens", "3"
+        cwd, "--hold", "2", "--reasoning-tokens", "2", "--content-tokens", "3"
     )
     tight, tight_url = start_stub(cwd, "--max-model-len", "64", "--model", "tight")
     config = f"""
@@ -123,16 +123,23 @@ def test_a_whole_answer_with_tools(client: openai.OpenAI) -> None:
     assert second.model == "reasoning"
 
 
-def test_a_queued_stream_reads_as_any_other(client: openai.OpenAI) -> None:
+def test_a_queued_stream_reads_as_any_other_and_a_full_line_is_a_rate_limit(
+    client: openai.OpenAI,
+) -> None:
     gateway = gateway_of(client)
     ahead = threading.Thread(
         target=lambda: client.chat.completions.create(model="slow", messages=HI, max_tokens=8)
     )
     ahead.start()
     try:
+        # The request ahead holds the only slot for its 2 s hold, far longer than this takes.
         wait_until(lambda: upstream_status(gateway, "slow")["in_use"] == 1)
         stream = client.chat.completions.create(model="slow", messages=HI, stream=True)
-        wait_until(lambda: upstream_status(gateway, "slow")["waiting"] == 1)
+        assert occupied(gateway) == 2  # it waits: its headers came with its first comment
+        with pytest.raises(openai.RateLimitError) as info:  # queue_limit = 1: no room
+            client.chat.completions.create(model="slow", messages=HI)
+        assert info.value.response.headers["retry-after"] == "5"
+        assert info.value.code == "rate_limit_exceeded"
         chunks = list(stream)
     finally:
         ahead.join(30)
@@ -176,26 +183,6 @@ def test_each_error_is_the_sdks_own(client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model="reasoning", messages=[{"role": "user", "content": "error500"}]
         )
-
-
-def test_a_full_line_is_a_rate_limit_the_sdk_would_retry(client: openai.OpenAI) -> None:
-    gateway = gateway_of(client)
-    threads = [
-        threading.Thread(
-            target=lambda: client.chat.completions.create(model="slow", messages=HI, max_tokens=8)
-        )
-        for _ in range(2)
-    ]
-    for count, thread in enumerate(threads, 1):
-        thread.start()
-        wait_until(lambda count=count: occupied(gateway) == count)  # type: ignore[misc]
-    try:
-        with pytest.raises(openai.RateLimitError) as info:
-            client.chat.completions.create(model="slow", messages=HI)
-        assert info.value.response.headers["retry-after"] == "5"
-    finally:
-        for thread in threads:
-            thread.join(30)
 
 
 def test_embeddings_as_the_sdk_asks_them(client: openai.OpenAI) -> None:
