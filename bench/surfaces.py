@@ -1,8 +1,9 @@
 """The surfaces side by side: 8 concurrent 10,000-token streams through /llm/v1/chat/completions,
 through /llm/v1/messages, and from the stub asked directly, in the same run.
 
-`python -m bench.surfaces` (also scenario 9 of `python -m bench`) starts the fast stub and the
-gateway as twistd processes. Each round asks all three in a rotating order, so a noisy moment
+`python -m bench.surfaces [--paced SECONDS --tokens N]` (also scenario 9 of `python -m bench`)
+starts the stub (writing as fast as it can, or paced like a GPU) and the gateway as twistd
+processes. Each round asks all three in a rotating order, so a noisy moment
 falls on every side; a surface's ratio is the median of its rounds' ratios to the direct stub
 of the same round, and its CPU per 1,000 tokens is the gateway process's own (utime + stime from
 /proc) over that surface's passes. The chat surface only renames, the Messages surface
@@ -91,14 +92,28 @@ async def surfaces(
     return out
 
 
-def run(workdir: Path, rounds: int) -> dict[str, Any]:
+def run(
+    workdir: Path, rounds: int, delay: float = 0.0, tokens: int = STREAM_TOKENS
+) -> dict[str, Any]:
+    """Against a stub that writes as fast as it can, or one token every `delay` seconds per
+    stream, as a GPU does: there each read is one token, and what a surface does per token
+    shows beside what every read costs."""
     processes: list[Process] = []
     try:
-        big_stub, big = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "40000")
+        big_stub, big = start_stub(
+            workdir,
+            "--reasoning-tokens",
+            "0",
+            "--content-tokens",
+            "40000",
+            "--delay",
+            str(delay),
+        )
         processes.append(big_stub)
         gateway, url = start_gateway(workdir, CONFIG.format(big=big))
         processes.append(gateway)
-        return asyncio.run(surfaces(big, url, ProcessStats(gateway.popen.pid), rounds))
+        stats = ProcessStats(gateway.popen.pid)
+        return asyncio.run(surfaces(big, url, stats, rounds, tokens))
     finally:
         for process in processes:
             process.stop()
@@ -107,9 +122,14 @@ def run(workdir: Path, rounds: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--paced", type=float, default=0.0, help="seconds between a stream's tokens (0: none)"
+    )
+    parser.add_argument("--tokens", type=int, default=STREAM_TOKENS, help="per stream")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        report = {"machine": machine(), "9_surfaces": run(Path(workdir), args.rounds)}
+        figures = run(Path(workdir), args.rounds, args.paced, args.tokens)
+        report = {"machine": machine(), "9_surfaces": figures}
     json.dump(report, sys.stdout, indent=2)
     print()
 
