@@ -420,11 +420,7 @@ class StreamRelay:
         out = []
         for event in events:
             at = event.find(said)
-            if (
-                at == -1
-                or not event.startswith(b"data: ")
-                or not self._known_prefix(event, at)
-            ):
+            if at == -1 or not event.startswith(b"data: ") or not self._known_prefix(event, at):
                 return None
             out.append(event[:at] + says + event[at + len(said) :])
         self.chunks += len(events)

@@ -9,14 +9,16 @@ from typing import Any
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.errors import GatewayError, internal_error, shutdown_error
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import DOWN
 from homelab_gateway.line.limiter import PositionListener, Replica, Slot
 from homelab_gateway.line.pool import Pool, hold_slot
 
+log = Logger()
 CANCELLED = ("client_disconnected", "shutdown")  # outcomes InFlight sets before it cancels
 # Shared: CPython has no empty-frozenset singleton, and `frozenset()` is 216 bytes that each
 # waiting request would hold for its whole wait.
@@ -121,3 +123,21 @@ async def attempts(
         retries.on_retry(pool.upstream.name, fault, any(p.replica not in avoid for p in pools))
         if deadline is None:
             deadline = started + max(p.queue_timeout for p in target.pools)
+
+
+def answerable(e: Exception, record: RequestRecord) -> GatewayError:
+    """What a request's client hears of `e`, its handler's failure: a shutdown's cut, the
+    GatewayError itself, or the gateway's own 500 for an exception nobody expected, after one
+    traceback in the log (what the request held was given back on the way here). A cancel that
+    is the client leaving is raised again: nobody is left to answer."""
+    if isinstance(e, CancelledError):
+        if record.outcome != "shutdown":
+            raise e
+        return shutdown_error()
+    if isinstance(e, GatewayError):
+        record.outcome = record.outcome or e.outcome
+        return e
+    log.failure("Unhandled error answering {request_id}", request_id=record.request_id)
+    error = internal_error()
+    record.outcome = error.outcome
+    return error

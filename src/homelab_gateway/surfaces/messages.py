@@ -17,7 +17,6 @@ from typing import Any
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 
@@ -27,8 +26,6 @@ from homelab_gateway.core.errors import (
     ContextOverflow,
     GatewayError,
     context_overflow,
-    internal_error,
-    shutdown_error,
     upstream_http_error,
 )
 from homelab_gateway.core.mapping import (
@@ -55,11 +52,10 @@ from homelab_gateway.core.translator import (
 )
 from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
-from homelab_gateway.surfaces.attempts import Retries, Target, attempts
+from homelab_gateway.surfaces.attempts import Retries, Target, answerable, attempts
 from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
 from homelab_gateway.web.respond import send_error, send_json
 
-log = Logger()
 TOKENIZE_BODY_LIMIT = 8 * 1024 * 1024
 """vLLM's /tokenize answer lists every token id (about 7 bytes each): 8 MiB covers a
 million-token prompt, where the 64 KiB error-body limit would cut a long prompt's answer
@@ -363,19 +359,8 @@ class Messages:
                     ),
                 )
                 return None
-            except CancelledError:
-                if record.outcome != "shutdown":
-                    raise  # the client left: there is no one to answer
-                error = shutdown_error()
-            except GatewayError as e:
-                record.outcome = record.outcome or e.outcome
-                error = e
-            except Exception:
-                # The gateway's own fault: one traceback, and the client hears of it in its
-                # surface's terms. What the request held was given back on the way here.
-                log.failure("Unhandled error answering {request_id}", request_id=record.request_id)
-                error = internal_error()
-                record.outcome = error.outcome
+            except Exception as e:
+                error = answerable(e, record)
             if stream is not None and stream.started:  # too late for an HTTP error
                 stream.send([error_event(error.error_type, error.message)])
                 return None

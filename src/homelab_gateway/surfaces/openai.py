@@ -14,7 +14,6 @@ from typing import Any
 
 import orjson
 from twisted.internet.defer import CancelledError
-from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest, IResponse
 
@@ -22,8 +21,6 @@ from homelab_gateway.core.errors import (
     RETRIED_STATUSES,
     GatewayError,
     context_overflow,
-    internal_error,
-    shutdown_error,
     upstream_http_error,
     upstream_message,
 )
@@ -44,7 +41,7 @@ from homelab_gateway.core.replicas import session_key
 from homelab_gateway.core.translator import refuse_constant
 from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
-from homelab_gateway.surfaces.attempts import Target, attempts
+from homelab_gateway.surfaces.attempts import Target, answerable, attempts
 from homelab_gateway.surfaces.messages import (
     ESTIMATED_QUEUE_COMMENT,
     QUEUE_COMMENT,
@@ -55,7 +52,6 @@ from homelab_gateway.surfaces.messages import (
 from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
 from homelab_gateway.web.respond import send_error
 
-log = Logger()
 SESSION_HEADER = b"x-session-id"
 """A session header for OpenAI clients, ahead of `prompt_cache_key` and `user`."""
 PASSED_HEADERS = (b"content-type", b"metadata")
@@ -153,17 +149,8 @@ class OpenAISurface:
                     ),
                 )
                 return None
-            except CancelledError:
-                if record.outcome != "shutdown":
-                    raise  # the client left: there is no one to answer
-                error = shutdown_error()
-            except GatewayError as e:
-                record.outcome = record.outcome or e.outcome
-                error = e
-            except Exception:
-                log.failure("Unhandled error answering {request_id}", request_id=record.request_id)
-                error = internal_error()
-                record.outcome = error.outcome
+            except Exception as e:
+                error = answerable(e, record)
             if stream is not None and stream.started:  # too late for an HTTP error
                 stream.relay(error_line(error_document(error)))
                 return None
