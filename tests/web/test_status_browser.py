@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import urllib.request
 from collections.abc import Iterator
@@ -151,6 +152,18 @@ def answer(url: str, key: str, model: str) -> None:
         assert json.load(response)["stop_reason"] == "end_turn"
 
 
+def chat_answer(url: str, key: str, model: str) -> None:
+    """A whole answer through the OpenAI chat surface, in the same line."""
+    body = {"model": model, "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+    request = urllib.request.Request(
+        url + "/llm/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"content-type": "application/json", "authorization": f"Bearer {key}"},
+    )
+    with urllib.request.urlopen(request, timeout=PATIENCE) as response:
+        assert json.load(response)["choices"][0]["finish_reason"] == "stop"
+
+
 def card(page: Page, upstream: str) -> Locator:
     return page.locator(f'[data-upstream="{upstream}"]')
 
@@ -174,9 +187,12 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
     expect(bar).to_have_attribute("aria-valuemax", "2")
     expect(vllm.locator(".models")).to_have_text("reasoning, qwen-coder")
 
-    for key, model in ((KEYS["FRONTEND_KEY"], "reasoning"), (KEYS["NIGHTLY_KEY"], "qwen-coder")):
-        answer(gateway, key, model)
+    answer(gateway, KEYS["FRONTEND_KEY"], "reasoning")
+    chat_answer(gateway, KEYS["NIGHTLY_KEY"], "qwen-coder")
     expect(page.locator("#finished td", has_text="completed")).to_have_count(2)
+    for surface in ("messages", "chat"):  # each request's surface, beside its model
+        cells = page.locator("#finished td").filter(has_text=re.compile(f"^{surface}$"))
+        expect(cells).to_have_count(1)
     expect(bar).to_have_attribute("aria-valuenow", "0")
 
     held = [stream(gateway, KEYS["FRONTEND_KEY"], "reasoning")]
