@@ -336,3 +336,34 @@ def test_an_upstreams_flat_error_is_written_in_openais_shape() -> None:
     assert (
         error_document(GatewayError(400, "x", upstream_body=b"<html>"))["error"]["message"] == "x"
     )
+
+
+def test_only_chunks_with_output_count_and_start_the_answer() -> None:
+    relay = StreamRelay("mine", include_usage=False)
+    role = {"delta": {"role": "assistant", "content": ""}}
+    first = b'data: {"model":"m","choices":[' + orjson.dumps({**role, "index": 0}) + b"]}\n\n"
+    second = b'data: {"model":"m","choices":[' + orjson.dumps({**role, "index": 1}) + b"]}\n\n"
+    relay.feed(first)
+    relay.feed(second)  # n=2: a role chunk for each choice
+    assert (relay.chunks, relay.started) == (0, False)
+    relay.feed(b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
+    assert (relay.chunks, relay.started) == (1, True)
+
+
+def test_usage_in_every_chunk_is_read_from_every_chunk() -> None:
+    relay = StreamRelay("mine", include_usage=True)
+    for n in range(1, 6):
+        relay.feed(
+            b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"a"}}],'
+            b'"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % n
+        )
+    assert relay.output_tokens == 5
+    relay.feed(b'data: {"model":"m","usage":{"prompt_tokens":3,"completion_tokens":6}}\n\n')
+    assert relay.output_tokens == 6  # a usage chunk with no choices at all
+
+
+def test_a_chunk_cut_short_fails_the_stream_even_when_it_starts_as_the_others() -> None:
+    relay = StreamRelay("mine", include_usage=False)
+    relay.feed(b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
+    out = relay.feed(b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"b\n\n')
+    assert relay.failed and b"not JSON" in out

@@ -465,16 +465,23 @@ class _Stream:
 
 def test_a_stream_that_fails_before_any_byte_went_out_is_an_http_error() -> None:
     relay = StreamRelay("mine", include_usage=False)
-    relay.feed(b'data: {"error": {"message": "grammar failed", "code": 400}}\n\n')
+    out = relay.feed(b'data: {"error": {"message": "grammar failed", "code": 400}}\n\n')
     with pytest.raises(GatewayError) as caught:
-        early_failure(relay, _Stream())  # type: ignore[arg-type]
+        early_failure(relay, _Stream(), out)  # type: ignore[arg-type]
     assert (caught.value.status, caught.value.upstream_status) == (400, 400)
     assert json.loads(caught.value.upstream_body or b"")["error"]["message"] == "grammar failed"
     broken = StreamRelay("mine", include_usage=False)
-    broken.eof("vllm")
+    out = broken.eof("vllm")
     with pytest.raises(GatewayError) as caught:
-        early_failure(broken, _Stream())  # type: ignore[arg-type]
+        early_failure(broken, _Stream(), out)  # type: ignore[arg-type]
     assert caught.value.status == 502
     started = _Stream()
     started.started = True
-    early_failure(broken, started)  # type: ignore[arg-type]  # too late: the error line says it
+    early_failure(broken, started, out)  # type: ignore[arg-type]  # too late: the line says it
+    # chunks before the error in the same read reach the client, and the error line after them
+    mixed = StreamRelay("mine", include_usage=False)
+    out = mixed.feed(
+        b'data: {"model":"m","choices":[{"delta":{"content":"a"}}]}\n\n'
+        b'data: {"error": {"message": "boom", "code": 500}}\n\n'
+    )
+    early_failure(mixed, _Stream(), out)  # type: ignore[arg-type]

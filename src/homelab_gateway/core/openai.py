@@ -46,12 +46,32 @@ choices. A body that has none by then passes on as it is."""
 PLAIN_EVENT = re.compile(rb"data: ([^\r\n]*)\n\n")
 """One whole event as vLLM, llama.cpp and Ollama write every chunk: one `data:` line."""
 _LAYOUTS = {
-    b'"model":': (b'"error"', b'"choices":[]', b'"finish_reason":"', b"[DONE]"),
-    b'"model": ': (b'"error"', b'"choices": []', b'"finish_reason": "', b"[DONE]"),
+    b'"model":': (
+        b'"error"',
+        b'"choices":[]',
+        b'"finish_reason":"',
+        b'"usage"',
+        b'"role":',
+        b'"content":""',
+        b'"delta":{}',
+        b"[DONE]",
+    ),
+    b'"model": ': (
+        b'"error"',
+        b'"choices": []',
+        b'"finish_reason": "',
+        b'"usage"',
+        b'"role": ',
+        b'"content": ""',
+        b'"delta": {}',
+        b"[DONE]",
+    ),
 }
 """For a server's way of writing keys (compact, as vLLM's pydantic and llama.cpp write them, or
-Python's `": "`), the bytes only an error event, the usage chunk, a choice's last chunk or
-`[DONE]` can have: a read without any of them is plain chunks only. (Quotes inside a JSON
+Python's `": "`), the bytes of every chunk that must be parsed: an error, usage, a choice's
+last chunk, `[DONE]`, and the chunks that say nothing (a role, an empty delta), which are not
+counted as output. A read with none of them is token chunks only, each trusted as the upstream
+wrote it once it starts as the last parsed one did and ends its object. (Quotes inside a JSON
 string are escaped, so these bytes are never text.)"""
 _MODEL_KEY = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")?')
 
@@ -394,8 +414,8 @@ class StreamRelay:
         if b"\r" in data or any(mark in data for mark in self._special):
             return None
         events = data.count(b"\n\n")
-        if data.count(b"\n") != 2 * events:
-            return None  # an event of more than one line
+        if data.count(b"\n") != 2 * events or data.count(b"}\n\n") != events:
+            return None  # an event of more than one line, or one that is no object
         head = b"data: " + (self._prefix or b"") + said
         # Every event starts as the last one seen did, up to and with its model (so that is
         # its top-level model), and the model says so nowhere else.
@@ -445,13 +465,17 @@ class StreamRelay:
             self.done = True
             return DONE
         said = self._said
-        if said is None or any(mark in payload for mark in self._special):
+        if (
+            said is None
+            or not payload.endswith(b"}")
+            or any(mark in payload for mark in self._special)
+        ):
             return self._event(payload)
         at = payload.find(said)
         if at == -1 or not self._known_prefix(b"data: " + payload, at + 6):
             return self._event(payload)
-        # Any other chunk after the first says something (a token, a tool call's piece): the
-        # count until the usage chunk gives the real one.
+        # Any other chunk says something (a token, a tool call's piece): the count until the
+        # usage chunk gives the real one.
         self.chunks += 1
         self.started = True
         if said == self._says:

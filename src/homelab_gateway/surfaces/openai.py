@@ -237,7 +237,7 @@ class OpenAISurface:
         def on_data(data: bytes) -> None:
             out = relay.feed(data)
             if out:
-                early_failure(relay, stream)
+                early_failure(relay, stream, out)
                 if record.first_token is None and relay.started:
                     record.first_token = clock.seconds() - sent_at
                 record.output_tokens = relay.output_tokens
@@ -255,7 +255,7 @@ class OpenAISurface:
             pass
         except UpstreamBroken as e:
             out = relay.fail(str(e))
-            early_failure(relay, stream)
+            early_failure(relay, stream, out)
             stream.relay(out)
         except CancelledError:
             record.upstream_cancelled = True
@@ -267,7 +267,7 @@ class OpenAISurface:
             record.stop_reason = relay.finish_reason
         if not relay.over:
             out = relay.eof(upstream.name)
-            early_failure(relay, stream)
+            early_failure(relay, stream, out)
             stream.relay(out)
         if relay.failed:
             record.outcome = record.outcome or "upstream_error"
@@ -319,12 +319,13 @@ class OpenAISurface:
                 setattr(record, field, usage[name])
 
 
-def early_failure(relay: StreamRelay, stream: EventStream) -> None:
-    """A stream that failed before a byte reached its client fails as an HTTP error: its
-    upstream's own status where its error says one, else 502."""
-    if not relay.failed or stream.started or relay.error is None:
-        return
+def early_failure(relay: StreamRelay, stream: EventStream, out: bytes) -> None:
+    """A stream whose failure would be the first bytes its client gets (`out`, what is to be
+    written, all error line) fails as an HTTP error instead: its upstream's own status where
+    its error says one, else 502."""
     error = relay.error
+    if not relay.failed or stream.started or error is None or out != error_line({"error": error}):
+        return
     code = error.get("code")
     status = code if isinstance(code, int) and 400 <= code < 600 else 502
     message = error.get("message")
