@@ -13,13 +13,12 @@ from homelab_gateway.dev.generation import (
     CHAT_ONLY,
     CONTENT_TEXT,
     SCENARIOS,
+    Batch,
     Generation,
     batch,
-    digest,
     frame,
     is_int,
     prompt_details,
-    text_tokens,
     words,
 )
 
@@ -30,12 +29,13 @@ COMPLETION_MAX_TOKENS = 16
 """vLLM's CompletionRequest.max_tokens default (chat has none: the context's room is the cap)."""
 
 
-class Completion(Generation):
+class Completion(Batch, Generation):
     """A legacy text completion (/v1/completions), as vLLM's OpenAIServingCompletion writes it:
     a choice per prompt, a chunk per token and prompt, `finish_reason` on the last token when
     max_tokens cuts it, else on an empty chunk after it (the EOS token, counted as vLLM does)."""
 
     endpoint = "completions"
+    prompt_field = "prompt"
     scenarios = SCENARIOS.keys() - CHAT_ONLY
     LONG_LINE = b'data: {"choices": [{"index": 0, "text": "'
 
@@ -62,23 +62,9 @@ class Completion(Generation):
             return "Stream options can only be defined when `stream=True`."
         return None
 
-    def _items(self) -> list[str | list[int]]:
-        return batch(self.body.get("prompt")) or []
-
-    def _prompts(self) -> list[list[str]]:
-        return [text_tokens(item) for item in self._items()]
-
-    def _scenario_words(self) -> list[str]:
-        """Every word of every text prompt (token-id prompts have none)."""
-        return [w for item in self._items() if isinstance(item, str) for w in item.split()]
-
     @property
     def output_tokens(self) -> int:
         return self.max_tokens
-
-    @property
-    def digest(self) -> str:
-        return digest(self.body.get("prompt"))
 
     def _content(self) -> int:
         return 2000 if self.scenario == "long" else self.stub.settings.content_tokens

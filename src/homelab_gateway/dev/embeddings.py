@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from homelab_gateway.dev.generation import (
     ENGINE_DIED,
+    Batch,
     Exchange,
     HTTPError,
     batch,
-    digest,
     is_int,
     literal,
-    text_tokens,
 )
 
 if TYPE_CHECKING:
@@ -32,12 +31,13 @@ EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "big", "little")
 
 
-class Embedding(Exchange):
+class Embedding(Batch, Exchange):
     """An embedding request (/v1/embeddings), as vLLM's ServingEmbedding answers it after
     `hold`: a deterministic vector per input as JSON floats or base64, or as raw bytes with a
     `metadata` header (`bytes`) or none (`bytes_only`)."""
 
     endpoint = "embeddings"
+    prompt_field = "input"
     scenarios = EMBEDDING_SCENARIOS
     prefix_cache = False
 
@@ -68,22 +68,9 @@ class Embedding(Exchange):
             return "Dimensions must be greater than 0"
         return None
 
-    def _items(self) -> list[str | list[int]]:
-        return batch(self.body.get("input")) or []
-
-    def _prompts(self) -> list[list[str]]:
-        return [text_tokens(item) for item in self._items()]
-
-    def _scenario_words(self) -> list[str]:
-        return [w for item in self._items() if isinstance(item, str) for w in item.split()]
-
     @property
     def output_tokens(self) -> int:
         return 0  # a pooling request's room is the whole window (max_embed_len unset)
-
-    @property
-    def digest(self) -> str:
-        return digest(self.body.get("input"))
 
     def answer_whole(self) -> bytes:
         if self.scenario == "fail":

@@ -242,6 +242,28 @@ class Exchange(ABC):
             self._call = None
 
 
+class Batch:
+    """An exchange whose prompt is a batch in one field (a completion's `prompt`, an
+    embedding's `input`): a string, or a list of strings or token-id lists."""
+
+    prompt_field: ClassVar[str]
+    body: dict[str, Any]
+
+    def _items(self) -> list[str | list[int]]:
+        return batch(self.body.get(self.prompt_field)) or []
+
+    def _prompts(self) -> list[list[str]]:
+        return [text_tokens(item) for item in self._items()]
+
+    def _scenario_words(self) -> list[str]:
+        """Every word of every text prompt (token-id prompts have none)."""
+        return [w for item in self._items() if isinstance(item, str) for w in item.split()]
+
+    @property
+    def digest(self) -> str:
+        return digest(self.body.get(self.prompt_field))
+
+
 class Generation(Exchange):
     """A chat completion: the chunks it sends, paced on the clock, pausable by the client. A
     subclass says other chunks with the same pacing, faults and usage framing."""
