@@ -172,7 +172,7 @@ def map_request(
     out: dict[str, Any] = {"model": model.upstream_model, "messages": messages}
     max_tokens = body.get("max_tokens")
     if max_tokens is not None or not count_only:
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {kind_of(max_tokens)}")
         out["max_tokens"] = min(max_tokens, model.max_tokens or max_tokens)
 
@@ -192,7 +192,7 @@ def map_request(
             out[name] = value
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or top_k < 0:
+        if not is_int(top_k) or top_k < 0:
             raise InvalidRequest(f"top_k: must be an integer >= 0, got {kind_of(top_k)}")
         out["top_k"] = top_k
 
@@ -451,7 +451,7 @@ def _thinking(thinking: Any, model: ModelConfig, out: dict[str, Any]) -> bool:
             f"thinking.type: must be 'enabled', 'disabled' or 'adaptive', got {kind_of(kind)}"
         )
     budget = thinking.get("budget_tokens")
-    if budget is not None and (not _is_int(budget) or budget < 0):
+    if budget is not None and (not is_int(budget) or budget < 0):
         raise InvalidRequest(
             f"thinking.budget_tokens: must be an integer >= 0, got {kind_of(budget)}"
         )
@@ -542,7 +542,7 @@ def _string(block: Mapping[str, Any], key: str, where: str, *, nonempty: bool = 
     return value
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

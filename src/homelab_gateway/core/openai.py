@@ -24,6 +24,7 @@ from homelab_gateway.core.mapping import (
     InvalidRequest,
     MappedRequest,
     PackedRequest,
+    is_int,
     kind_of,
     merge,
     request_model,
@@ -101,11 +102,11 @@ def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
     least = 0 if kind == "completions" else 1  # 0 with `echo`: vLLM scores the prompt alone
     for name in OUTPUT_LIMITS:
         value = body.get(name)
-        if value is not None and (not _is_int(value) or value < least):
+        if value is not None and (not is_int(value) or value < least):
             raise InvalidRequest(
                 f"{name}: must be an integer >= {least}, got {kind_of(value)}", name
             )
-        if _is_int(out.get(name)) and model.max_tokens is not None:
+        if is_int(out.get(name)) and model.max_tokens is not None:
             out[name] = min(out[name], model.max_tokens)
     if (
         kind == "chat"
@@ -192,18 +193,14 @@ def _check_prompt(kind: str, name: str, prompt: Any) -> None:
     for i, item in enumerate(prompt):
         if not (
             isinstance(item, str)
-            or _is_int(item)
-            or (isinstance(item, list) and all(_is_int(token) for token in item))
+            or is_int(item)
+            or (isinstance(item, list) and all(is_int(token) for token in item))
         ):
             raise InvalidRequest(
                 f"{name}.{i}: must be a string, a token id or an array of token ids, "
                 f"got {kind_of(item)}",
                 f"{name}.{i}",
             )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def error_document(error: GatewayError) -> dict[str, Any]:
@@ -307,7 +304,7 @@ class WholeRelay:
         self._tail = b""
 
     def feed(self, data: bytes) -> bytes:
-        self._tail = (self._tail + data)[-USAGE_TAIL:]
+        self._tail = (self._tail + data[-USAGE_TAIL:])[-USAGE_TAIL:]
         if self._head is None:
             return data
         head = self._head + data
@@ -439,22 +436,25 @@ class StreamRelay:
         events.pop()  # after the last event's blank line
         out = []
         for event in events:
-            at = event.find(said)
-            if at == -1 or not event.startswith(b"data: ") or not self._known_prefix(event, at):
+            if not event.startswith(b"data: "):
                 return None
-            out.append(event[:at] + says + event[at + len(said) :])
+            payload = event[6:]
+            at = payload.find(said)
+            if at == -1 or not self._known_prefix(payload, at):
+                return None
+            out.append(b"data: " + payload[:at] + says + payload[at + len(said) :])
         self.chunks += len(events)
         self.started = True
         return data if said == says else b"\n\n".join(out) + b"\n\n"
 
-    def _known_prefix(self, event: bytes, at: int) -> bool:
-        """Whether `said` at `at` in `event` (`data: {...}`) is its top-level model: what
-        precedes it is what preceded it last time (a stream's id and object stay, `created`
-        changes once a second), or makes it top-level anew."""
-        prefix = event[6:at]
+    def _known_prefix(self, payload: bytes, at: int) -> bool:
+        """Whether `said` at `at` in `payload` (an event's `{...}`) is its top-level model:
+        what precedes it is what preceded it last time (a stream's id and object stay,
+        `created` changes once a second), or makes it top-level anew."""
+        prefix = payload[:at]
         if prefix == self._prefix:
             return True
-        if not _top_level(event[6:], at - 6):
+        if not _top_level(payload, at):
             return False
         self._prefix = prefix
         return True
@@ -472,7 +472,7 @@ class StreamRelay:
         ):
             return self._event(payload)
         at = payload.find(said)
-        if at == -1 or not self._known_prefix(b"data: " + payload, at + 6):
+        if at == -1 or not self._known_prefix(payload, at):
             return self._event(payload)
         # Any other chunk says something (a token, a tool call's piece): the count until the
         # usage chunk gives the real one.
@@ -565,9 +565,9 @@ class StreamRelay:
     def output_tokens(self) -> int:
         usage = self.usage or {}
         tokens = usage.get("completion_tokens")
-        return tokens if _is_int(tokens) else self.chunks
+        return tokens if is_int(tokens) else self.chunks
 
     @property
     def input_tokens(self) -> int | None:
         tokens = (self.usage or {}).get("prompt_tokens")
-        return tokens if _is_int(tokens) else None
+        return tokens if is_int(tokens) else None
