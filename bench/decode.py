@@ -1,5 +1,5 @@
 """The per-token path alone, in process: a recorded vLLM-shaped stream through decode ->
-translate -> encode, as `llm._relay` and `EventStream.send` run it, with no sockets.
+translate -> encode, as `Messages.relay` and `EventStream.send` run it, with no sockets.
 
 `python -m bench.decode [--tokens 2000] [--read 65536] [--no-usage] [--rounds 5]` prints the
 wall-clock time per 1,000 tokens (best of the rounds) and a digest of the bytes a client would

@@ -47,6 +47,7 @@ from homelab_gateway.line.shared import shared_line
 from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
+from homelab_gateway.surfaces.responses import ResponsesSurface
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.client import EndpointPerHost, RawHTTP, Upstream, llm_http
 from homelab_gateway.upstream.connections import UpstreamPool
@@ -284,6 +285,7 @@ class Gateway:
         self.app.proxy = self._proxy(config)
         self.app.messages = self._messages(config)
         self.app.openai = OpenAISurface(self.app.messages)
+        self.app.responses = ResponsesSurface(self.app.messages)
         self.app.access = self._access(config)
         self.site.limits = self._limits(config)
         self._configure_status_page(config)

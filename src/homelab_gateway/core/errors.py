@@ -202,18 +202,17 @@ class ContextOverflow:
         alone too long (it compacts), or prompt plus `max_tokens` (it asks for fewer tokens)."""
         prompt, limit, completion = self.prompt_tokens, self.limit, self.completion
         if prompt is None or not limit:
-            return GatewayError(400, "prompt is too long: the upstream did not say by how much")
-        if completion is not None and prompt <= limit:
-            return GatewayError(
-                400,
+            message = "prompt is too long: the upstream did not say by how much"
+        elif completion is not None and prompt <= limit:
+            message = (
                 f"input length and `max_tokens` exceed context limit: {prompt} + {completion} "
-                f"> {limit}, decrease input length or `max_tokens` and try again",
+                f"> {limit}, decrease input length or `max_tokens` and try again"
             )
-        # The upstream refused the prompt itself, so it is longer than the window (llama.cpp
-        # refuses one that exactly fills it: no room is left for a single token).
-        return GatewayError(
-            400, f"prompt is too long: {max(prompt, limit + 1)} tokens > {limit} maximum"
-        )
+        else:
+            # The upstream refused the prompt itself, so it is longer than the window
+            # (llama.cpp refuses one that exactly fills it: no room is left for one token).
+            message = f"prompt is too long: {max(prompt, limit + 1)} tokens > {limit} maximum"
+        return GatewayError(400, message, code="context_length_exceeded")
 
 
 _N = r"(\d+)"

@@ -187,7 +187,7 @@ def map_request(
     for name in ("temperature", "top_p"):
         value = body.get(name)
         if value is not None:
-            if not _is_number(value) or value < 0:
+            if not is_number(value) or value < 0:
                 raise InvalidRequest(f"{name}: must be a number >= 0, got {kind_of(value)}")
             out[name] = value
     top_k = body.get("top_k")
@@ -220,7 +220,7 @@ def map_request(
     thinking = _thinking(body.get("thinking"), model, out)
     _output_config(body.get("output_config"), body.get("output_format"), model, out)
 
-    estimate = _estimate_tokens(messages, out.get("tools"))
+    estimate = estimate_tokens(messages, out.get("tools"))
     return MappedRequest(
         model=replace_lone_surrogates(client_model),  # echoed in the answer, which is UTF-8
         stream=stream,
@@ -546,7 +546,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
@@ -578,6 +578,6 @@ def merge(defaults: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
-def _estimate_tokens(messages: Sequence[Mapping[str, Any]], tools: Any) -> int:
+def estimate_tokens(messages: Sequence[Mapping[str, Any]], tools: Any) -> int:
     text = json.dumps([messages, tools or []], ensure_ascii=False)
     return max(1, len(text) // CHARS_PER_TOKEN)

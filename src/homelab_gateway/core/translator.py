@@ -15,7 +15,7 @@ import enum
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +133,7 @@ class StreamTranslator:
         stop_sequences: Sequence[str] = (),
         message_id: str | None = None,
         show_reasoning: bool = True,
+        tool_id: Callable[[Any], str] | None = None,
     ) -> None:
         self.phase = Phase.AWAITING_FIRST_CHUNK
         # DONE or FAILED: a plain attribute, not a property, since it is read several times per
@@ -157,6 +158,8 @@ class StreamTranslator:
         self._held: dict[tuple[str, int], str] = {}
         self._used_tools = False
         self._show_reasoning = show_reasoning
+        # A new call's id, given the upstream's: by default one of the gateway's own.
+        self._tool_id = tool_id or (lambda upstream_id: new_tool_use_id())
         self._out: list[Event] = []
 
     def feed(self, chunk: Any) -> list[Event]:
@@ -352,7 +355,7 @@ class StreamTranslator:
             position = 0
         tool = self._tools.get(position)
         if tool is None:
-            tool = self._tools[position] = _ToolCall(id=new_tool_use_id())
+            tool = self._tools[position] = _ToolCall(id=self._tool_id(call.get("id")))
         function = call.get("function")
         function = function if isinstance(function, dict) else {}
         name = _text(function.get("name"))

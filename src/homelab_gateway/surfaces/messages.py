@@ -72,21 +72,40 @@ ESTIMATED_QUEUE_FRAME = (
 QUEUE_COMMENT = b': queue {"type":"queue","position":%d}\n\n'
 ESTIMATED_QUEUE_COMMENT = b': queue {"type":"queue","position":%d,"estimated_wait_s":%.1f}\n\n'
 
+QueueFrame = Callable[[int, float | None], bytes]
+"""The bytes that tell a waiting stream its place, given the wait it means, where known."""
+
+
+def templated(plain: bytes, estimated: bytes) -> QueueFrame:
+    """A `QueueFrame` from two templates, without and with the estimate."""
+
+    def frame(position: int, estimate: float | None) -> bytes:
+        return plain % position if estimate is None else estimated % (position, estimate)
+
+    return frame
+
+
+ANTHROPIC_QUEUE = templated(QUEUE_FRAME, ESTIMATED_QUEUE_FRAME)
+OPENAI_QUEUE = templated(QUEUE_COMMENT, ESTIMATED_QUEUE_COMMENT)
+
 
 class EventStream:
     """The client side of one streamed answer: `text/event-stream` frames, flushed per write.
 
     Nothing is sent before the first frame, so an upstream that refuses early can still get an
     HTTP error. While silent for `ping_interval` it repeats a keep-alive: the last queue frame
-    while queued, a `ping` once the message has started. It never writes to a gone client: the
-    client leaving cancels the handler (`InFlight`), whose `finally` closes the stream, in the
-    same turn, and twisted.web drops a write to a disconnected request (no `notifyFinish` of
-    its own, which would be one more Deferred for each of thousands of waiters).
+    while queued, `ping` once the answer has started (the `opening` event went out). It never
+    writes to a gone client: the client leaving cancels the handler (`InFlight`), whose
+    `finally` closes the stream, in the same turn, and twisted.web drops a write to a
+    disconnected request (no `notifyFinish` of its own, which would be one more Deferred for
+    each of thousands of waiters).
     """
 
     __slots__ = (
-        "_frames",
+        "_frame",
         "_keepalive",
+        "_opening",
+        "_ping",
         "_position",
         "_timer",
         "clock",
@@ -101,10 +120,15 @@ class EventStream:
         request: IRequest,
         clock: IReactorTime,
         ping_interval: float,
-        queue_frames: tuple[bytes, bytes] = (QUEUE_FRAME, ESTIMATED_QUEUE_FRAME),
+        queue_frame: QueueFrame = ANTHROPIC_QUEUE,
+        *,
+        opening: str = "message_start",
+        ping: bytes = PING_FRAME,
     ) -> None:
         self.request = request
-        self._frames = queue_frames  # a place's frame, without and with an estimate
+        self._frame = queue_frame
+        self._opening = opening
+        self._ping = ping
         self.clock = clock
         self.ping_interval = ping_interval
         self.started = False
@@ -119,8 +143,8 @@ class EventStream:
     def send(self, events: list[Event]) -> None:
         if not events:
             return
-        if self._keepalive is not PING_FRAME and any(e["type"] == "message_start" for e in events):
-            self._keepalive = PING_FRAME
+        if self._keepalive is None and any(e["type"] == self._opening for e in events):
+            self._keepalive = self._ping
             self._position = None
         self._write(b"".join(map(encode_event, events)))
 
@@ -138,9 +162,7 @@ class EventStream:
 
     def _queue_frame(self, position: int) -> bytes:
         estimate = self.estimator(position) if self.estimator is not None else None
-        if estimate is None:
-            return self._frames[0] % position
-        return self._frames[1] % (position, estimate)
+        return self._frame(position, estimate)
 
     def _write(self, frames: bytes) -> None:
         if not self.started:
@@ -354,7 +376,7 @@ class Messages:
                     record,
                     target,
                     stream.queue_position,
-                    lambda pool, fields, slot: self._relay(
+                    lambda pool, fields, slot: self.relay(
                         request, record, pool, packed, fields, stream.send, slot
                     ),
                 )
@@ -378,7 +400,7 @@ class Messages:
             record,
             target,
             None,
-            lambda pool, fields, slot: self._relay(
+            lambda pool, fields, slot: self.relay(
                 None, record, pool, packed, fields, builder.add, slot
             ),
         )
@@ -389,7 +411,7 @@ class Messages:
                 529 if e.error_type == "overloaded_error" else 502, e.message
             ) from None
 
-    async def _relay(
+    async def relay(
         self,
         request: IRequest | None,
         record: RequestRecord,
@@ -398,6 +420,7 @@ class Messages:
         fields: dict[str, Any],
         emit: Callable[[list[Event]], None],
         slot: Slot,
+        tool_id: Callable[[Any], str] | None = None,
     ) -> None:
         """Send the upstream request (`packed` with this attempt's `fields`) and pour its
         translated stream into `emit`; tell `slot` whether the replica answered (any status
@@ -438,6 +461,7 @@ class Messages:
             input_tokens=packed.estimated_input_tokens,
             stop_sequences=packed.stop_sequences,
             show_reasoning=packed.show_reasoning,
+            tool_id=tool_id,
         )
         decoder = UpstreamDecoder(translator)
         emitted = False

@@ -10,6 +10,7 @@ line, what the OpenAI SDKs raise on.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -17,6 +18,7 @@ from twisted.internet.defer import CancelledError
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest, IResponse
 
+from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import (
     RETRIED_STATUSES,
     GatewayError,
@@ -43,8 +45,7 @@ from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.attempts import Target, answerable, attempts
 from homelab_gateway.surfaces.messages import (
-    ESTIMATED_QUEUE_COMMENT,
-    QUEUE_COMMENT,
+    OPENAI_QUEUE,
     EventStream,
     Messages,
     finite_float,
@@ -57,6 +58,37 @@ SESSION_HEADER = b"x-session-id"
 PASSED_HEADERS = (b"content-type", b"metadata")
 """What a whole answer keeps of the upstream's headers: the body says the rest, but for vLLM's
 binary embeddings (`encoding_format` `bytes`), whose JSON `metadata` header names the model."""
+
+
+def read_request(
+    request: IRequest, record: RequestRecord, models: Mapping[str, ModelConfig]
+) -> tuple[Any, ModelConfig]:
+    """The request's JSON body and the model it names, its raw body let go; a 400 or a 404 in
+    OpenAI's words where it has neither."""
+    raw = request.content.read()
+    request.content.close()
+    try:
+        body = json.loads(raw, parse_constant=refuse_constant, parse_float=finite_float)
+        name = request_model(body)
+    except RecursionError:
+        raise GatewayError(400, "request body is nested too deeply") from None
+    except InvalidRequest as e:
+        raise GatewayError(400, str(e), param="model") from None
+    except ValueError as e:
+        raise GatewayError(400, f"request body is not valid JSON: {e}") from None
+    record.model = name
+    model = find_model(models, name)
+    if model is None:
+        known = ", ".join(sorted(models))
+        raise GatewayError(
+            404,
+            f"The model `{name}` does not exist here (models: {known})",
+            param="model",
+            code="model_not_found",
+        )
+    record.served_model = model.name
+    record.upstream = model.upstream
+    return body, model
 
 
 class _Over(Exception):
@@ -74,30 +106,7 @@ class OpenAISurface:
         self, request: IRequest, record: RequestRecord, kind: str
     ) -> tuple[Target, OpenAIRequest]:
         """The request, checked and packed, its parsed body let go."""
-        raw = request.content.read()
-        request.content.close()
-        try:
-            body = json.loads(raw, parse_constant=refuse_constant, parse_float=finite_float)
-            name = request_model(body)
-        except RecursionError:
-            raise GatewayError(400, "request body is nested too deeply") from None
-        except InvalidRequest as e:
-            raise GatewayError(400, str(e), param="model") from None
-        except ValueError as e:
-            raise GatewayError(400, f"request body is not valid JSON: {e}") from None
-        record.model = name
-        models = self.messages.models
-        model = find_model(models, name)
-        if model is None:
-            known = ", ".join(sorted(models))
-            raise GatewayError(
-                404,
-                f"The model `{name}` does not exist here (models: {known})",
-                param="model",
-                code="model_not_found",
-            )
-        record.served_model = model.name
-        record.upstream = model.upstream
+        body, model = read_request(request, record, self.messages.models)
         try:
             mapped = map_openai(kind, body, model)
         except InvalidRequest as e:
@@ -136,7 +145,7 @@ class OpenAISurface:
                     request,
                     messages.clock,
                     messages.ping_interval,
-                    (QUEUE_COMMENT, ESTIMATED_QUEUE_COMMENT),
+                    OPENAI_QUEUE,
                 )
                 stream.estimator = target.pools[0].line.estimate
                 await attempts(
@@ -157,7 +166,7 @@ class OpenAISurface:
             if request.startedWriting:  # a whole answer cut short: only a cut says so
                 request.channel.transport.abortConnection()
                 return None
-            return _send_error(request, error)
+            return send_openai_error(request, error)
         finally:
             if stream is not None:
                 stream.close()
@@ -343,7 +352,7 @@ def _renamed_header(value: bytes, name: str) -> bytes:
     return renamed(value, document, name)
 
 
-def _send_error(request: IRequest, error: GatewayError) -> bytes:
+def send_openai_error(request: IRequest, error: GatewayError) -> bytes:
     """An upstream's own refusal passes on with its status and body; any other error is the
     gateway's, in OpenAI's shape."""
     if error.upstream_body is None or error.upstream_status is None:

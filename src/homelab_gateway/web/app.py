@@ -31,6 +31,7 @@ from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ReverseProxy
+from homelab_gateway.surfaces.responses import ResponsesSurface
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.readiness import Readiness
 from homelab_gateway.web.access import AccessPolicy
@@ -74,6 +75,7 @@ class GatewayApp:
         self.proxy = proxy
         self.messages = messages
         self.openai = OpenAISurface(messages)
+        self.responses = ResponsesSurface(messages)
         self.access = access
         self.inflight = inflight
         self.cluster = cluster
@@ -99,14 +101,16 @@ class GatewayApp:
         record.client, record.priority = caller.client, caller.priority
         return self.inflight.run(request, record, work(record), shape=shape, respond=respond)
 
-    def _light(self, request: IRequest, *, protected: bool) -> bytes | None:
+    def _light(
+        self, request: IRequest, *, protected: bool, shape: Shape = "anthropic"
+    ) -> bytes | None:
         """CORS and, where `protected`, the API key for a read-only endpoint; an answer if the
         request stops here."""
         self.access.add_cors_headers(request)
         if self.access.is_preflight(request):
             return self.access.preflight(request)
         refusal = self.access.refusal(request, protected=protected, draining=False)
-        return None if refusal is None else send_error(request, refusal)
+        return None if refusal is None else send_error(request, refusal, shape=shape)
 
     @app.route("/healthz", methods=["GET", "HEAD"])
     def healthz(self, request: IRequest) -> bytes:
@@ -156,6 +160,30 @@ class GatewayApp:
     @app.route("/llm/v1/embeddings")
     def embeddings(self, request: IRequest) -> Any:
         return self._openai(request, "embeddings")
+
+    @app.route("/llm/v1/responses")
+    def responses_route(self, request: IRequest) -> Any:
+        answer = self._work(
+            request,
+            "responses",
+            lambda r: self.responses.answer(request, r),
+            shape="openai",
+            respond=True,
+        )
+        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
+
+    @app.route("/llm/v1/responses/<path:rest>")
+    def stored_response(self, request: IRequest, rest: str) -> Any:
+        """A stored response, its input items, its cancel: nothing is stored here."""
+        refusal = self._light(request, protected=True, shape="openai")
+        if refusal is not None:
+            return refusal
+        error = GatewayError(
+            404,
+            "this gateway stores no responses: each answer is only streamed or returned once",
+            code="not_found",
+        )
+        return send_error(request, error, shape="openai")
 
     def _openai(self, request: IRequest, surface: str) -> Any:
         """An OpenAI surface: its flight answers, as the Messages route's does."""

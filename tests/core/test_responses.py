@@ -1,0 +1,622 @@
+"""The Responses surface's sans-IO core: requests mapped to chat, and the translator's blocks
+made Responses events, each checked against the Open Responses schemas."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from homelab_gateway.config import ModelConfig
+from homelab_gateway.core.mapping import InvalidRequest
+from homelab_gateway.core.responses import (
+    ResponsesRequest,
+    ResponseStream,
+    map_responses,
+)
+from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
+from tests.core.test_translator import chunk, chunks, tool_args, tool_head, upstream_frames
+from tests.openresponses import check_response, check_stream
+
+MODEL = ModelConfig(name="local", upstream="vllm", upstream_model="Qwen/Qwen3-32B")
+
+
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    """vLLM's last chunk: the usage, and no choices."""
+    return {
+        "id": "chatcmpl-1",
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
+    }
+
+
+def upstream(body: dict[str, Any], model: ModelConfig = MODEL) -> dict[str, Any]:
+    """The chat request `body` becomes upstream."""
+    return json.loads(map_responses(body, model).packed.body(model="Qwen/Qwen3-32B"))
+
+
+def refusal(body: dict[str, Any]) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        map_responses(body, MODEL)
+    return caught.value
+
+
+def test_a_string_input_is_one_user_message_streamed_upstream_with_usage() -> None:
+    out = upstream({"model": "m", "input": "hi"})
+    assert out["messages"] == [{"role": "user", "content": "hi"}]
+    assert out["stream"] is True
+    assert out["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert out["model"] == "Qwen/Qwen3-32B"
+
+
+def test_instructions_and_the_opening_developer_messages_become_one_system_message() -> None:
+    out = upstream(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"type": "message", "role": "developer", "content": "Use tools."},
+                {"role": "system", "content": [{"type": "input_text", "text": "Sys."}]},
+                {"role": "user", "content": "hi"},
+                {"role": "developer", "content": "Later."},
+            ],
+        }
+    )
+    assert out["messages"] == [
+        {"role": "system", "content": "Be brief.\n\nUse tools.\n\nSys."},
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Later."},
+    ]
+
+
+def test_a_codex_turn_maps_calls_outputs_and_drops_reasoning() -> None:
+    out = upstream(
+        {
+            "model": "m",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "ls"}],
+                },
+                {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Running."}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "exec_command",
+                    "arguments": '{"cmd":"ls"}',
+                },
+                {"type": "reasoning", "id": "rs_2", "summary": []},
+                {
+                    "type": "function_call",
+                    "call_id": "c2",
+                    "name": "exec_command",
+                    "arguments": "{}",
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c2",
+                    "output": [{"type": "input_text", "text": "b.txt"}],
+                },
+                {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+            ],
+        }
+    )
+    calls = [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'},
+        },
+        {"id": "c2", "type": "function", "function": {"name": "exec_command", "arguments": "{}"}},
+    ]
+    assert out["messages"] == [
+        {"role": "user", "content": "ls"},
+        {"role": "assistant", "content": "Running.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "c2", "content": "b.txt"},
+    ]
+
+
+def test_calls_with_no_assistant_text_have_null_content_and_images_follow_tool_output() -> None:
+    image = "data:image/png;base64,iVBORw0KGgo="
+    out = upstream(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "look"},
+                {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": ""},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [
+                        {"type": "input_text", "text": "here"},
+                        {"type": "input_image", "image_url": image, "detail": "low"},
+                    ],
+                },
+            ],
+        }
+    )
+    assert out["messages"][1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+        ],
+    }
+    assert out["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "c1", "content": "here"},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image, "detail": "low"}}],
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"input": 3}, "input"),
+        (
+            {"input": [{"role": "user", "content": "x"}, {"type": "item_reference", "id": "x"}]},
+            "input.1.type",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+            "input.0.call_id",
+        ),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input.0.content.0.type",
+        ),
+        (
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_image", "image_url": "data:image/png;base64,@@"}
+                        ],
+                    }
+                ]
+            },
+            "input.0.content.0.image_url",
+        ),
+        ({"input": [{"role": "developer", "content": "only"}]}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"tools": [{"type": "function"}]}, "tools.0.name"),
+        ({"tools": [{"type": "wormhole"}]}, "tools.0.type"),
+        (
+            {
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "name": "g"},
+            },
+            "tool_choice.name",
+        ),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+    ],
+)
+def test_a_mistake_is_refused_naming_its_field(body: dict[str, Any], param: str) -> None:
+    error = refusal({"model": "m", "input": "hi", **body})
+    assert error.param == param
+    assert str(error).startswith(param.split(".")[0])
+
+
+def test_tools_are_offered_flat_namespaced_ones_under_one_name_and_hosted_ones_dropped() -> None:
+    body = {
+        "model": "m",
+        "input": "hi",
+        "tools": [
+            {
+                "type": "function",
+                "name": "exec_command",
+                "description": "Run",
+                "strict": False,
+                "parameters": {"type": "object"},
+            },
+            {"type": "web_search", "external_web_access": False},
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "Agents",
+                "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}],
+            },
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+    }
+    out = upstream(body)
+    assert [t["function"]["name"] for t in out["tools"]] == [
+        "exec_command",
+        "multi_agent_v1__spawn",
+    ]
+    assert out["tools"][0] == {
+        "type": "function",
+        "function": {
+            "name": "exec_command",
+            "parameters": {"type": "object"},
+            "description": "Run",
+            "strict": False,
+        },
+    }
+    assert out["tool_choice"] == "auto"
+    assert out["parallel_tool_calls"] is True
+    mapped = map_responses(body, MODEL)
+    assert mapped.names["multi_agent_v1__spawn"] == ("multi_agent_v1", "spawn")
+
+
+def test_only_hosted_tools_means_no_tools_upstream() -> None:
+    out = upstream(
+        {"model": "m", "input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "required"}
+    )
+    assert "tools" not in out and "tool_choice" not in out
+
+
+def test_a_named_tool_choice_and_allowed_tools() -> None:
+    tools = [{"type": "function", "name": n} for n in ("a", "b", "c")]
+    named = upstream(
+        {
+            "model": "m",
+            "input": "hi",
+            "tools": tools,
+            "tool_choice": {"type": "function", "name": "b"},
+        }
+    )
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "b"}}
+    allowed = upstream(
+        {
+            "model": "m",
+            "input": "hi",
+            "tools": tools,
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "c"}],
+            },
+        }
+    )
+    assert allowed["tool_choice"] == "required"
+    assert [t["function"]["name"] for t in allowed["tools"]] == ["c"]
+
+
+def test_output_limit_sampling_effort_and_format_carry_upstream() -> None:
+    model = ModelConfig(
+        name="local",
+        upstream="vllm",
+        upstream_model="q",
+        max_tokens=100,
+        map_effort=True,
+        params={"temperature": 0.6},
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    out = upstream(
+        {
+            "model": "m",
+            "input": "hi",
+            "max_output_tokens": 5000,
+            "top_p": 0.9,
+            "reasoning": {"effort": "xhigh", "summary": "auto"},
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "answer",
+                    "schema": schema,
+                    "strict": True,
+                }
+            },
+        },
+        model,
+    )
+    assert out["max_tokens"] == 100
+    assert out["temperature"] == 0.6 and out["top_p"] == 0.9
+    assert out["reasoning_effort"] == "high"
+    assert out["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": schema, "strict": True},
+    }
+    assert upstream({"model": "m", "input": "hi"}, model)["max_tokens"] == 100
+
+
+def test_effort_none_turns_thinking_off_where_the_model_maps_it() -> None:
+    model = ModelConfig(name="local", upstream="vllm", upstream_model="q", map_thinking=True)
+    out = upstream({"model": "m", "input": "hi", "reasoning": {"effort": "none"}}, model)
+    assert out["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_the_session_is_the_prompt_cache_key_then_the_safety_identifier_then_user() -> None:
+    assert (
+        map_responses(
+            {"model": "m", "input": "x", "user": "u", "prompt_cache_key": "k"}, MODEL
+        ).session
+        == "k"
+    )
+    assert (
+        map_responses(
+            {"model": "m", "input": "x", "user": "u", "safety_identifier": "s"}, MODEL
+        ).session
+        == "s"
+    )
+    assert map_responses({"model": "m", "input": "x", "user": "u"}, MODEL).session == "u"
+
+
+def test_the_codex_request_maps() -> None:
+    """Codex CLI's first request, as it sent it to a local server."""
+    from pathlib import Path
+
+    body = json.loads(
+        (Path(__file__).parents[1] / "fixtures" / "codex_0.171.0_request.json").read_text()
+    )
+    mapped = map_responses(body, MODEL)
+    out = json.loads(mapped.packed.body(model="q"))
+    assert out["messages"][0]["role"] == "system"
+    assert [m["role"] for m in out["messages"]].count("system") >= 1
+    assert "exec_command" in [t["function"]["name"] for t in out["tools"]]
+    assert mapped.session == body["prompt_cache_key"]
+
+
+# The answer side.
+def stream_of(
+    body: dict[str, Any] | None = None, call_ids: frozenset[str] = frozenset()
+) -> tuple[ResponseStream, StreamTranslator]:
+    mapped = map_responses(body or {"model": "client-model", "input": "hi"}, MODEL)
+    if call_ids:
+        mapped = ResponsesRequest(mapped.packed, mapped.echo, mapped.names, call_ids, None)
+    response = ResponseStream(mapped, response_id="resp_1", now=lambda: 1764547200.5)
+    translator = StreamTranslator(model="client-model", input_tokens=3, tool_id=response.call_id)
+    return response, translator
+
+
+def run(
+    chunks_in: list[dict[str, Any]], **kwargs: Any
+) -> tuple[list[dict[str, Any]], ResponseStream]:
+    response, translator = stream_of(**kwargs)
+    events: list[dict[str, Any]] = []
+    for c in chunks_in:
+        events += response.feed(translator.feed(c))
+    events += response.feed(translator.end())
+    return [orjson.loads(orjson.dumps(e)) for e in events], response
+
+
+def test_reasoning_text_and_a_tool_call_are_three_items_in_order() -> None:
+    events, response = run(
+        [
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"reasoning": "Think"}),
+            chunk({"reasoning": "ing."}),
+            chunk({"content": "Hel"}),
+            chunk({"content": "lo"}),
+            tool_head(0, "get_weather"),
+            tool_args(0, '{"city":'),
+            tool_args(0, '"Paris"}'),
+            chunk({}, "tool_calls"),
+            usage(7, 9),
+        ]
+    )
+    assert check_stream(events) == "response.completed"
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    final = events[-1]["response"]
+    assert final["model"] == "client-model"
+    assert final["completed_at"] == 1764547200
+    reasoning, message, call = final["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
+    assert message["content"][0]["text"] == "Hello" and message["status"] == "completed"
+    assert call["name"] == "get_weather" and call["arguments"] == '{"city":"Paris"}'
+    assert call["call_id"] == "chatcmpl-tool-0"  # the upstream's own id
+    assert final["usage"] == {
+        "input_tokens": 7,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 9,
+        "output_tokens_details": {"reasoning_tokens": 2},
+        "total_tokens": 16,
+    }
+    assert orjson.loads(response.response()) == final
+
+
+def test_a_call_id_the_conversation_already_used_is_replaced() -> None:
+    events, _ = run(
+        [tool_head(0, "f"), tool_args(0, "{}"), tool_head(1, "f"), chunk({}, "tool_calls")],
+        call_ids=frozenset({"chatcmpl-tool-0"}),
+    )
+    ids = [e["item"]["call_id"] for e in events if e["type"] == "response.output_item.done"]
+    assert ids[0].startswith("call_") and ids[1] == "chatcmpl-tool-1"
+
+
+def test_a_namespaced_call_comes_back_under_its_own_name_and_namespace() -> None:
+    body = {
+        "model": "m",
+        "input": "hi",
+        "tools": [
+            {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "spawn"}]}
+        ],
+    }
+    response, translator = stream_of(body)
+    events = response.feed(translator.feed(tool_head(0, "ns__spawn")))
+    events += response.feed(translator.feed(chunk({}, "tool_calls")) + translator.end())
+    item = next(e["item"] for e in events if e["type"] == "response.output_item.done")
+    assert (item["name"], item["namespace"]) == ("spawn", "ns")
+
+
+def test_the_output_limit_leaves_the_last_item_and_the_response_incomplete() -> None:
+    events, _ = run([chunk({"content": "Hel"}), chunk({"content": "lo"}, "length")])
+    assert check_stream(events) == "response.incomplete"
+    final = events[-1]["response"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["status"] == "incomplete"
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["item"]["status"] == "incomplete"
+
+
+def test_an_upstream_failure_mid_stream_is_response_failed_never_completed() -> None:
+    response, translator = stream_of()
+    events = response.feed(translator.feed(chunk({"content": "Hel"})))
+    events += response.feed(translator.feed({"error": {"message": "boom", "code": 500}}))
+    events += response.feed(translator.end())
+    events = [orjson.loads(orjson.dumps(e)) for e in events]
+    assert check_stream(events) == "response.failed"
+    final = events[-1]["response"]
+    assert final["error"] == {"code": "server_error", "message": "upstream error: boom"}
+    assert final["output"][0]["status"] == "incomplete"
+    assert final["output"][0]["content"][0]["text"] == "Hel"
+
+
+def test_a_waiting_stream_is_created_queued_then_told_its_place_then_in_progress() -> None:
+    response, translator = stream_of()
+    frames = response.queue_frame(3, None) + response.queue_frame(2, 4.25)
+    events = [
+        json.loads(line[6:]) for line in frames.decode().splitlines() if line.startswith("data: ")
+    ]
+    assert [e["type"] for e in events] == ["response.created", "response.queued", "response.queued"]
+    assert events[0]["response"]["status"] == "queued"
+    assert events[1]["queue"] == {"type": "queue", "position": 3}
+    assert events[2]["queue"] == {"type": "queue", "position": 2, "estimated_wait_s": 4.2}
+    events += response.begin()
+    assert response.begin() == []
+    events += response.feed(translator.feed(chunk({"content": "ok"}, "stop")) + translator.end())
+    events = [orjson.loads(orjson.dumps(e)) for e in events]
+    assert check_stream(events) == "response.completed"
+    assert [e["type"] for e in events][3] == "response.in_progress"
+    assert events[3]["response"]["status"] == "in_progress"
+
+
+def test_a_failure_while_queued_follows_the_queue_events() -> None:
+    response, _ = stream_of()
+    frames = response.queue_frame(1, None)
+    events = [
+        json.loads(line[6:]) for line in frames.decode().splitlines() if line.startswith("data: ")
+    ]
+    events += [
+        orjson.loads(orjson.dumps(e)) for e in response.fail("rate_limit_exceeded", "waited")
+    ]
+    assert check_stream(events) == "response.failed"
+    assert response.fail("x", "y") == []
+
+
+def test_the_response_echoes_the_request_and_validates() -> None:
+    body = {
+        "model": "m",
+        "input": "hi",
+        "instructions": "Be brief.",
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "temperature": 0.2,
+        "max_output_tokens": 64,
+        "reasoning": {"effort": "low"},
+        "text": {
+            "format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}},
+            "verbosity": "low",
+        },
+        "metadata": {"trace": "t"},
+        "store": True,
+        "truncation": "auto",
+        "prompt_cache_key": "k",
+        "user": "\ud800 half an emoji",
+    }
+    response, _ = stream_of(body)
+    document = orjson.loads(response.response())
+    check_response(document)
+    assert document["instructions"] == "Be brief."
+    assert document["tools"] == [
+        {
+            "type": "function",
+            "name": "f",
+            "description": None,
+            "parameters": {"type": "object"},
+            "strict": None,
+        }
+    ]
+    assert document["tool_choice"] == {"type": "function", "name": "f"}
+    assert (document["temperature"], document["max_output_tokens"]) == (0.2, 64)
+    assert document["reasoning"] == {"effort": "low", "summary": None}
+    assert document["text"] == {
+        "format": {
+            "type": "json_schema",
+            "name": "a",
+            "description": None,
+            "schema": None,
+            "strict": False,
+        },
+        "verbosity": "low",
+    }
+    assert document["metadata"] == {"trace": "t"} and document["store"] is False
+    assert document["truncation"] == "auto" and document["prompt_cache_key"] == "k"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(chunks, max_size=20), st.booleans())
+def test_any_chunk_sequence_gives_a_valid_responses_stream(
+    sequence: list[dict[str, Any]], queued: bool
+) -> None:
+    response, translator = stream_of()
+    events: list[dict[str, Any]] = []
+    if queued:
+        frames = response.queue_frame(1, None)
+        events += [
+            json.loads(line[6:])
+            for line in frames.decode().splitlines()
+            if line.startswith("data: ")
+        ]
+        events += response.begin()
+    for c in sequence:
+        events += response.feed(translator.feed(c))
+    events += response.feed(translator.end())
+    events = [orjson.loads(orjson.dumps(e)) for e in events]
+    if events:
+        check_stream(events)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(upstream_frames, max_size=15), st.data())
+def test_raw_upstream_bytes_split_anywhere_give_a_valid_responses_stream(
+    frames: list[bytes], data: st.DataObject
+) -> None:
+    stream = b"".join(frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    response, translator = stream_of()
+    decoder = UpstreamDecoder(translator)
+    events: list[dict[str, Any]] = []
+    for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        events += response.feed(decoder.feed(stream[a:b]))
+    events += response.feed(decoder.eof("stub"))
+    events = [orjson.loads(orjson.dumps(e)) for e in events]
+    if events:
+        check_stream(events)
