@@ -201,3 +201,86 @@ def test_legacy_completions_stream_and_whole(client: openai.OpenAI) -> None:
     whole = client.completions.create(model="reasoning", prompt="once upon", max_tokens=4)
     assert whole.model == "reasoning"
     assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks)
+
+
+# The Responses API, as the SDK and the Agents SDK call it.
+WEATHER_TOOL = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": False,
+    }
+]
+
+
+def test_a_response_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model="reasoning", input="hi", max_output_tokens=64)
+    assert whole.model == "reasoning" and whole.status == "completed"
+    assert whole.output_text.startswith("Hello!")
+    assert whole.usage is not None and whole.usage.total_tokens > whole.usage.output_tokens > 0
+    events = list(client.responses.create(model="reasoning", input="hi", stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text
+
+
+def test_the_sdks_accumulator_takes_the_stream(client: openai.OpenAI) -> None:
+    """`responses.stream()` checks the order, the response's id on every lifecycle event and
+    each item's indices, and builds the final response from the events."""
+    with client.responses.stream(
+        model="reasoning", input="hi", reasoning={"effort": "low"}
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(deltas)
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+def test_a_tool_round_trip_through_the_sdk(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="reasoning", input="tool", tools=WEATHER_TOOL)  # type: ignore[arg-type]
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "get_weather" and call.call_id
+    second = client.responses.create(
+        model="reasoning",
+        input=[
+            {"role": "user", "content": "tool"},
+            *[item.model_dump(exclude_none=True) for item in first.output],  # type: ignore[misc]
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
+        ],
+        tools=WEATHER_TOOL,  # type: ignore[arg-type]
+    )
+    assert second.status == "completed" and second.output[-1].type in ("message", "function_call")
+
+
+def test_a_queued_response_stream_reads_as_any_other(client: openai.OpenAI) -> None:
+    gateway = gateway_of(client)
+    ahead = threading.Thread(
+        target=lambda: client.responses.create(model="slow", input="hi", max_output_tokens=8)
+    )
+    ahead.start()
+    try:
+        wait_until(lambda: upstream_status(gateway, "slow")["in_use"] == 1)
+        with client.responses.stream(model="slow", input="hi") as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+    finally:
+        ahead.join(30)
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert final.status == "completed" and final.output_text
+
+
+def test_each_responses_error_is_the_sdks_own(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as stored:
+        client.responses.create(model="reasoning", input="hi", previous_response_id="resp_1")
+    assert stored.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as overflow:
+        client.responses.create(model="gpt-4o", input="word " * 100)
+    assert overflow.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_1")
+    stream = client.responses.create(model="reasoning", input="fail", stream=True)
+    assert list(stream)[-1].type == "response.failed"
