@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.mapping import InvalidRequest
 from homelab_gateway.core.responses import (
+    INPUT_SCHEMA,
+    Offered,
     ResponsesRequest,
     ResponseStream,
     map_responses,
@@ -259,7 +261,7 @@ def test_tools_are_offered_flat_namespaced_ones_under_one_name_and_hosted_ones_d
     assert out["tool_choice"] == "auto"
     assert out["parallel_tool_calls"] is True
     mapped = map_responses(body, MODEL)
-    assert mapped.names["multi_agent_v1__spawn"] == ("multi_agent_v1", "spawn")
+    assert mapped.names["multi_agent_v1__spawn"] == Offered("multi_agent_v1", "spawn")
 
 
 def test_only_hosted_tools_means_no_tools_upstream() -> None:
@@ -474,6 +476,61 @@ def test_a_namespaced_call_comes_back_under_its_own_name_and_namespace() -> None
     events += response.feed(translator.feed(chunk({}, "tool_calls")) + translator.end())
     item = next(e["item"] for e in events if e["type"] == "response.output_item.done")
     assert (item["name"], item["namespace"]) == ("spawn", "ns")
+
+
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+}
+
+
+def test_a_custom_tool_is_offered_as_a_function_of_its_input_and_called_back_as_one() -> None:
+    """Codex's freeform `apply_patch`: offered as a function of one string, its history
+    items carried as calls of it, its call answered as OpenAI answers one."""
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "edit"},
+            {
+                "type": "custom_tool_call",
+                "call_id": "p1",
+                "name": "apply_patch",
+                "input": "*** Begin Patch",
+            },
+            {"type": "custom_tool_call_output", "call_id": "p1", "output": "Success."},
+        ],
+        "tools": [APPLY_PATCH],
+    }
+    out = upstream(body)
+    function = out["tools"][0]["function"]
+    assert function["parameters"] == INPUT_SCHEMA
+    assert (
+        function["description"]
+        == 'Edit files.\n\nThe input follows this lark grammar:\nstart: "*** Begin Patch"'
+    )
+    assert (
+        out["messages"][1]["tool_calls"][0]["function"]["arguments"]
+        == '{"input":"*** Begin Patch"}'
+    )
+    assert out["messages"][2] == {"role": "tool", "tool_call_id": "p1", "content": "Success."}
+    response, translator = stream_of(body, call_ids=frozenset({"p1"}))
+    events = response.feed(translator.feed(tool_head(0, "apply_patch")))
+    events += response.feed(translator.feed(tool_args(0, '{"input": "*** Begin')))
+    events += response.feed(translator.feed(tool_args(0, ' Patch\\n"}')))
+    events += response.feed(translator.feed(chunk({}, "tool_calls")) + translator.end())
+    kinds = [e["type"] for e in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    done = next(e for e in events if e["type"] == "response.custom_tool_call_input.done")
+    assert done["input"] == "*** Begin Patch\n"
+    item = next(e["item"] for e in events if e["type"] == "response.output_item.done")
+    assert (item["type"], item["name"], item["input"]) == (
+        "custom_tool_call",
+        "apply_patch",
+        "*** Begin Patch\n",
+    )
+    assert item["id"].startswith("ctc_")
 
 
 def test_the_output_limit_leaves_the_last_item_and_the_response_incomplete() -> None:

@@ -19,7 +19,7 @@ import binascii
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -84,13 +84,27 @@ EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "
 TOOL_CHOICES = frozenset({"auto", "none", "required"})
 NAMESPACE_SEPARATOR = "__"
 """Between a namespace and a function's name, where a namespaced tool is offered upstream."""
+INPUT_SCHEMA = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The tool's whole input"}},
+    "required": ["input"],
+}
+"""A custom (freeform) tool's parameters as a function: its input as one string."""
+
+
+class Offered(NamedTuple):
+    """A tool as the client named it, behind the name the upstream sees."""
+
+    namespace: str | None
+    name: str
+    custom: bool = False  # a freeform tool: its calls are `custom_tool_call`s with an `input`
 
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:
     packed: PackedRequest
     echo: bytes  # the Response fields that repeat the request, as a JSON object
-    names: dict[str, tuple[str | None, str]]  # a tool's name upstream -> (namespace, its name)
+    names: dict[str, Offered]  # by the name upstream
     call_ids: frozenset[str]  # the input's call ids: a new call must not repeat one
     session: str | None
 
@@ -123,7 +137,8 @@ def map_responses(
         raise InvalidRequest(
             f"instructions: must be a string, got {kind_of(instructions)}", "instructions"
         )
-    messages, call_ids = _input(body.get("input"), instructions, {v: k for k, v in names.items()})
+    flat = {(tool.namespace, tool.name): upstream for upstream, tool in names.items()}
+    messages, call_ids = _input(body.get("input"), instructions, flat)
 
     out: dict[str, Any] = {"model": model.upstream_model, "messages": messages}
     limit = _optional(body, "max_output_tokens", is_int, "an integer >= 1", least=1)
@@ -289,7 +304,7 @@ def _input(
                     f"got {kind_of(role)}",
                     f"{where}.role",
                 )
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             opening = False
             call_id = _string(item, "call_id", where)
             if call_id in calls:
@@ -300,7 +315,10 @@ def _input(
             name = _string(item, "name", where)
             namespace = item.get("namespace")
             upstream_name = flat.get((namespace if isinstance(namespace, str) else None, name))
-            arguments = item.get("arguments", "")
+            if kind == "custom_tool_call":
+                arguments = dumps({"input": _string(item, "input", where, empty=True)}).decode()
+            else:
+                arguments = item.get("arguments", "")
             if not isinstance(arguments, str):
                 raise InvalidRequest(
                     f"{where}.arguments: must be a string of JSON, got {kind_of(arguments)}",
@@ -318,7 +336,7 @@ def _input(
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 joinable = True
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             opening = False
             call_id = _string(item, "call_id", where)
             if call_id not in calls:
@@ -445,25 +463,28 @@ def _output_content(output: Any, where: str) -> tuple[str, list[dict[str, Any]]]
 
 def _tools(
     tools: Any,
-) -> tuple[list[dict[str, Any]], dict[str, tuple[str | None, str]], list[dict[str, Any]]]:
-    """The chat tools, each upstream name's (namespace, name), and the tools as the response
-    echoes them: the functions offered, under the names the model sees."""
+) -> tuple[list[dict[str, Any]], dict[str, Offered], list[dict[str, Any]]]:
+    """The chat tools, what each upstream name stands for, and the tools as the response
+    echoes them: the functions offered, under the names the model sees. A custom (freeform)
+    tool is offered as a function of one string, `input`, its grammar in its description."""
     if tools is None:
         return [], {}, []
     if not isinstance(tools, list):
         raise InvalidRequest(f"tools: must be an array, got {kind_of(tools)}", "tools")
     out: list[dict[str, Any]] = []
-    names: dict[str, tuple[str | None, str]] = {}
+    names: dict[str, Offered] = {}
     echo: list[dict[str, Any]] = []
 
-    def offer(tool: Mapping[str, Any], where: str, namespace: str | None) -> None:
+    def offer(
+        tool: Mapping[str, Any], where: str, namespace: str | None, custom: bool = False
+    ) -> None:
         name = _string(tool, "name", where)
         upstream_name = name if namespace is None else namespace + NAMESPACE_SEPARATOR + name
         if upstream_name in names:
             raise InvalidRequest(
                 f"{where}.name: {upstream_name!r} is offered twice", f"{where}.name"
             )
-        names[upstream_name] = (namespace, name)
+        names[upstream_name] = Offered(namespace, name, custom)
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
             raise InvalidRequest(
@@ -507,6 +528,8 @@ def _tools(
         kind = tool.get("type")
         if kind == "function":
             offer(tool, where, None)
+        elif kind == "custom":
+            offer(_as_function(tool, where), where, None, custom=True)
         elif kind == "namespace":
             namespace = _string(tool, "name", where)
             members = tool.get("tools")
@@ -524,16 +547,31 @@ def _tools(
             continue
         else:
             raise InvalidRequest(
-                f"{where}.type: tool type {kind_of(kind)} is not supported here (function and "
-                "namespace tools are; hosted tools are left out)",
+                f"{where}.type: tool type {kind_of(kind)} is not supported here (function, "
+                "custom and namespace tools are; hosted tools are left out)",
                 f"{where}.type",
             )
     return out, names, echo
 
 
-def _tool_choice(
-    choice: Any, names: Mapping[str, tuple[str | None, str]]
-) -> tuple[Any, set[str] | None]:
+def _as_function(tool: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A custom tool as the function it is offered as."""
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequest(
+            f"{where}.description: must be a string, got {kind_of(description)}",
+            f"{where}.description",
+        )
+    parts = [description] if description else []
+    form = tool.get("format")
+    if isinstance(form, Mapping) and form.get("type") == "grammar":
+        syntax, definition = form.get("syntax"), form.get("definition")
+        if isinstance(definition, str):
+            parts.append(f"The input follows this {syntax} grammar:\n{definition}")
+    return {"name": tool.get("name"), "description": "\n\n".join(parts), "parameters": INPUT_SCHEMA}
+
+
+def _tool_choice(choice: Any, names: Mapping[str, Offered]) -> tuple[Any, set[str] | None]:
     """Chat's tool_choice, and the tools to offer where the choice narrows them."""
     if isinstance(choice, str) and choice in TOOL_CHOICES:
         return choice, None
@@ -542,8 +580,8 @@ def _tool_choice(
             "tool_choice: must be 'auto', 'none', 'required' or an object", "tool_choice"
         )
     kind = choice.get("type")
-    flat = {value: key for key, value in names.items()}
-    if kind == "function":
+    flat = {(tool.namespace, tool.name): upstream for upstream, tool in names.items()}
+    if kind in ("function", "custom"):
         name = _string(choice, "name", "tool_choice")
         namespace = choice.get("namespace")
         upstream_name = flat.get((namespace if isinstance(namespace, str) else None, name), name)
@@ -846,17 +884,17 @@ class ResponseStream:
             }
             part = {"type": "reasoning_text", "text": ""}
         else:
-            namespace, name = self.request.names.get(block["name"], (None, block["name"]))
+            tool = self.request.names.get(block["name"]) or Offered(None, block["name"])
             item = {
-                "type": "function_call",
-                "id": "fc_" + secrets.token_hex(16),
+                "type": "custom_tool_call" if tool.custom else "function_call",
+                "id": ("ctc_" if tool.custom else "fc_") + secrets.token_hex(16),
                 "call_id": block["id"],
-                "name": name,
-                "arguments": "",
+                "name": tool.name,
+                "input" if tool.custom else "arguments": "",
                 "status": "in_progress",
             }
-            if namespace is not None:
-                item["namespace"] = namespace
+            if tool.namespace is not None:
+                item["namespace"] = tool.namespace
             part = None
         self._open, self._parts = item, []
         self._output.append(item)
@@ -907,6 +945,8 @@ class ResponseStream:
         if kind == "input_json_delta":
             text = delta["partial_json"]
             self._parts.append(text)
+            if item["type"] == "custom_tool_call":
+                return []  # fragments of {"input": ...}: its input comes whole, at the end
             return [
                 self._event(
                     "response.function_call_arguments.delta",
@@ -927,6 +967,9 @@ class ResponseStream:
         if item["type"] == "function_call":
             item["arguments"], item["status"] = text or "{}", status
             return item["arguments"]
+        if item["type"] == "custom_tool_call":
+            item["input"], item["status"] = _custom_input(text), status
+            return item["input"]
         if item["type"] == "message":
             item["status"] = status
             item["content"] = [
@@ -943,7 +986,16 @@ class ResponseStream:
         text = self._settle(status)
         index = len(self._output) - 1
         events: list[Event] = []
-        if item["type"] == "function_call":
+        if item["type"] == "custom_tool_call":
+            events.append(
+                self._event(
+                    "response.custom_tool_call_input.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    input=text,
+                )
+            )
+        elif item["type"] == "function_call":
             events.append(
                 self._event(
                     "response.function_call_arguments.done",
@@ -1014,3 +1066,15 @@ class ResponseStream:
             "output_tokens_details": {"reasoning_tokens": min(self._reasoning_deltas, output)},
             "total_tokens": prompt + output,
         }
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input, from the arguments of the function it was offered as; a model
+    that wrote something else gets it passed on as it is."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
