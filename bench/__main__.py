@@ -17,8 +17,9 @@ writes JSON (bench/results/). These are measurements, not tests: nothing here fa
                    interactive client's wait p50/p95, with named clients and then as one FIFO
   8 replicas       16 streams for one model over one paced stub replica (4 slots), then over two
                    (4 slots each, one line): tokens/s and requests/s, and how the work split
-  9 surfaces       scenario 1 through /llm/v1/chat/completions and /llm/v1/messages beside the
-                   direct stub, round by round: ratios and CPU per 1,000 tokens (bench.surfaces)
+  9 surfaces       scenario 1 through /llm/v1/chat/completions, /llm/v1/messages and
+                   /llm/v1/responses beside the direct stub, round by round: ratios and CPU per
+                   1,000 tokens (bench.surfaces)
 
 `--target URL --model NAME` runs scenarios 1 and 2 against any Anthropic-compatible endpoint
 instead (e.g. another gateway), with nothing started here.

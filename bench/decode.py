@@ -1,7 +1,8 @@
 """The per-token path alone, in process: a recorded vLLM-shaped stream through decode ->
 translate -> encode, as `Messages.relay` and `EventStream.send` run it, with no sockets.
 
-`python -m bench.decode [--tokens 2000] [--read 65536] [--no-usage] [--rounds 5]` prints the
+`python -m bench.decode [--tokens 2000] [--read 65536] [--no-usage] [--rounds 5]
+[--surface messages|responses]` prints the
 wall-clock time per 1,000 tokens (best of the rounds) and a digest of the bytes a client would
 get, so two versions of the code can be checked for the same output. Its real use is under
 callgrind, whose instruction count does not depend on what else the machine runs:
@@ -25,8 +26,13 @@ from typing import Any
 
 import orjson
 
+from homelab_gateway.config import ModelConfig
+from homelab_gateway.core.responses import ResponseStream, map_responses
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 from homelab_gateway.surfaces.messages import EventStream
+from homelab_gateway.surfaces.responses import PING_COMMENT
+
+MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/Qwen3-32B")
 
 WORDS = ["The ", "quick ", "brown ", "fox ", "jumps ", "über ", "the ", "lazy ", "dog", ".\n"]
 
@@ -102,16 +108,33 @@ class _Sink:
         self.bytes += len(data)
 
 
-def run(stream: bytes, read: int) -> _Sink:
+def run(stream: bytes, read: int, surface: str = "messages") -> _Sink:
     from twisted.internet.task import Clock
 
     sink = _Sink()
-    events = EventStream(sink, Clock(), 15.0)  # type: ignore[arg-type]
-    decoder = UpstreamDecoder(
-        StreamTranslator(model="reasoning", input_tokens=52, message_id="msg_0")
-    )
-    for start in range(0, len(stream), read):
-        events.send(decoder.feed(stream[start : start + read]))
+    if surface == "responses":
+        mapped = map_responses({"model": "reasoning", "input": "hi"}, MODEL)
+        response = ResponseStream(mapped, response_id="resp_0", now=lambda: 1764547200.0)
+        events = EventStream(
+            sink,  # type: ignore[arg-type]
+            Clock(),
+            15.0,
+            response.queue_frame,
+            opening="response.in_progress",
+            ping=PING_COMMENT,
+        )
+        decoder = UpstreamDecoder(
+            StreamTranslator(model="reasoning", input_tokens=52, tool_id=response.call_id)
+        )
+        for start in range(0, len(stream), read):
+            events.send(response.feed(decoder.feed(stream[start : start + read])))
+    else:
+        events = EventStream(sink, Clock(), 15.0)  # type: ignore[arg-type]
+        decoder = UpstreamDecoder(
+            StreamTranslator(model="reasoning", input_tokens=52, message_id="msg_0")
+        )
+        for start in range(0, len(stream), read):
+            events.send(decoder.feed(stream[start : start + read]))
     events.close()
     return sink
 
@@ -122,12 +145,13 @@ def main() -> None:
     parser.add_argument("--read", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-usage", action="store_true")
+    parser.add_argument("--surface", choices=("messages", "responses"), default="messages")
     args = parser.parse_args()
     stream = recorded_stream(args.tokens, usage=not args.no_usage)
     best = float("inf")
     for _ in range(args.rounds):
         started = time.perf_counter()
-        sink = run(stream, args.read)
+        sink = run(stream, args.read, args.surface)
         best = min(best, time.perf_counter() - started)
     print(
         f"{args.tokens} tokens, {len(stream)} bytes in, {sink.bytes} bytes out "

@@ -1,5 +1,5 @@
 """The surfaces side by side: 8 concurrent 10,000-token streams through /llm/v1/chat/completions,
-through /llm/v1/messages, and from the stub asked directly, in the same run.
+/llm/v1/messages and /llm/v1/responses, and from the stub asked directly, in the same run.
 
 `python -m bench.surfaces [--paced SECONDS --tokens N]` (also scenario 9 of `python -m bench`)
 starts the stub (writing as fast as it can, or paced like a GPU) and the gateway as twistd
@@ -7,7 +7,9 @@ processes. Each round asks all three in a rotating order, so a noisy moment
 falls on every side; a surface's ratio is the median of its rounds' ratios to the direct stub
 of the same round, and its CPU per 1,000 tokens is the gateway process's own (utime + stime from
 /proc) over that surface's passes. The chat surface only renames, the Messages surface
-translates: `chat_cpu_vs_messages` is the one's CPU per token over the other's.
+translates: `chat_cpu_vs_messages` is the one's CPU per token over the other's. The Responses
+surface translates the Messages surface's blocks on into larger events:
+`responses_cpu_vs_messages` is its CPU per token over the Messages surface's.
 Measurements, not tests: nothing fails on a figure.
 """
 
@@ -65,12 +67,23 @@ async def surfaces(
             anthropic_body("bulk", "content-only", tokens),
             is_anthropic_token,
         ),
+        "responses": (
+            gateway + "/llm/v1/responses",
+            {
+                "model": "bulk",
+                "input": "content-only",
+                "max_output_tokens": tokens,
+                "stream": True,
+            },
+            is_responses_token,
+        ),
     }
     rates: dict[str, list[float]] = {name: [] for name in sides}
-    cpu: dict[str, list[float]] = {"chat": [], "messages": []}
+    cpu: dict[str, list[float]] = {"chat": [], "messages": [], "responses": []}
     order = list(sides)
     for round_ in range(rounds):
-        for name in order[round_ % 3 :] + order[: round_ % 3]:
+        turn = round_ % len(order)
+        for name in order[turn:] + order[:turn]:
             url, body, is_token = sides[name]
             before = stats.cpu_seconds()
             rate, counted = await streams_rate(url, body, 8, is_token)
@@ -86,10 +99,15 @@ async def surfaces(
         out[f"{name}_ratio_all"] = [round(r, 3) for r in ratios]
         out[f"{name}_cpu_ms_per_1000_tokens"] = round(statistics.median(cpu[name]), 2)
         out[f"{name}_cpu_ms_per_1000_tokens_all"] = [round(c, 2) for c in cpu[name]]
-    out["chat_cpu_vs_messages"] = round(
-        out["chat_cpu_ms_per_1000_tokens"] / out["messages_cpu_ms_per_1000_tokens"], 3
-    )
+    for name in ("chat", "responses"):
+        out[f"{name}_cpu_vs_messages"] = round(
+            out[f"{name}_cpu_ms_per_1000_tokens"] / out["messages_cpu_ms_per_1000_tokens"], 3
+        )
     return out
+
+
+def is_responses_token(frame: Any) -> bool:
+    return frame.event == "response.output_text.delta"
 
 
 def run(

@@ -763,6 +763,7 @@ class ResponseStream:
         self._sequence = 0
         self._output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being streamed
+        self._index = -1  # its place in the output
         self._parts: list[str] = []  # its text or arguments so far
         self._closing = False  # its block ended: its `done` events wait for the stop reason
         self._queued: orjson.Fragment | None = None  # the queued response, made once
@@ -823,7 +824,7 @@ class ResponseStream:
             if self._closing and kind != "message_delta":
                 out += self._close("completed")
             if kind == "content_block_delta":
-                out += self._delta(event["delta"])
+                self._delta(event["delta"], out)
             elif kind == "content_block_start":
                 out += self._start(event["content_block"])
             elif kind == "content_block_stop":
@@ -898,7 +899,7 @@ class ResponseStream:
             part = None
         self._open, self._parts = item, []
         self._output.append(item)
-        index = len(self._output) - 1
+        index = self._index = len(self._output) - 1
         events = [self._event("response.output_item.added", output_index=index, item=dict(item))]
         if part is not None:
             events.append(
@@ -912,50 +913,48 @@ class ResponseStream:
             )
         return events
 
-    def _delta(self, delta: Event) -> list[Event]:
+    def _delta(self, delta: Event, out: list[Event]) -> None:
+        """One delta's event: this runs once per token, so it builds the event in one go."""
         item = self._open
         assert item is not None
         kind = delta["type"]
         if kind == "text_delta":
             text = delta["text"]
-            self._parts.append(text)
-            return [
-                self._event(
-                    "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=len(self._output) - 1,
-                    content_index=0,
-                    delta=text,
-                    logprobs=[],
-                )
-            ]
-        if kind == "thinking_delta":
+            fields = {"delta": text, "logprobs": []}
+            name = "response.output_text.delta"
+        elif kind == "thinking_delta":
             text = delta["thinking"]
-            self._parts.append(text)
             self._reasoning_deltas += 1
-            return [
-                self._event(
-                    "response.reasoning_text.delta",
-                    item_id=item["id"],
-                    output_index=len(self._output) - 1,
-                    content_index=0,
-                    delta=text,
-                )
-            ]
-        if kind == "input_json_delta":
+            fields = {"delta": text}
+            name = "response.reasoning_text.delta"
+        elif kind == "input_json_delta":
             text = delta["partial_json"]
             self._parts.append(text)
-            if item["type"] == "custom_tool_call":
-                return []  # fragments of {"input": ...}: its input comes whole, at the end
-            return [
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=len(self._output) - 1,
-                    delta=text,
+            if item["type"] != "custom_tool_call":  # its input comes whole, at the end
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self._index,
+                        delta=text,
+                    )
                 )
-            ]
-        return []  # a thinking block's (empty) signature: no upstream signs its reasoning
+            return
+        else:
+            return  # a thinking block's (empty) signature: no upstream signs its reasoning
+        self._parts.append(text)
+        number = self._sequence
+        self._sequence = number + 1
+        out.append(
+            {
+                "type": name,
+                "sequence_number": number,
+                "item_id": item["id"],
+                "output_index": self._index,
+                "content_index": 0,
+                **fields,
+            }
+        )
 
     def _settle(self, status: str) -> str:
         """Put the open item's text in it; answer that text."""
@@ -984,7 +983,7 @@ class ResponseStream:
         item = self._open
         assert item is not None
         text = self._settle(status)
-        index = len(self._output) - 1
+        index = self._index
         events: list[Event] = []
         if item["type"] == "custom_tool_call":
             events.append(
