@@ -9,6 +9,10 @@ BIN := $(VENV)/bin
 CHROMIUM := /usr/bin/chromium
 # The tests of gateways sharing a line run a real Redis: Debian's redis-server.
 REDIS := /usr/bin/redis-server
+# tests/test_codex.py runs OpenAI's Codex CLI, at the version package-lock.json pins, from
+# node_modules/ (npm ci); npm is Debian's where the machine has none.
+NPM := $(or $(shell command -v npm 2>/dev/null),/usr/bin/npm)
+CODEX := node_modules/@openai/codex
 
 .PHONY: demo test install bench chaos
 
@@ -30,7 +34,16 @@ $(REDIS):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 
-test: install $(CHROMIUM) $(REDIS)
+$(NPM):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+
+# Again whenever package-lock.json is newer than the installed package (npm ci starts afresh).
+$(CODEX): package-lock.json | $(NPM)
+	npm ci --no-audit --no-fund
+	touch $(CODEX)
+
+test: install $(CHROMIUM) $(REDIS) $(CODEX)
 	$(BIN)/ruff check src tests twisted bench
 	$(BIN)/ruff format --check src tests twisted bench
 	$(BIN)/python -m pytest

@@ -29,8 +29,9 @@ ENGINE_DIED = "stub: the engine died"
 SCENARIOS = {
     "content-only": "content and no reasoning",
     "reasoning-only": "reasoning until max_tokens runs out (finish_reason length)",
-    "tool": "a little text, then a tool call whose arguments arrive in fragments",
-    "parallel-tools": "two tool calls, index 0 and 1",
+    "tool": "a little text, then a tool call whose arguments arrive in fragments (after a tool "
+    "result: content-only)",
+    "parallel-tools": "two tool calls, index 0 and 1 (after a tool result: content-only)",
     "stop": "content, then a stop on the request's first stop string",
     "long": "2,000 content tokens",
     "fail": "a few tokens, then a vLLM error chunk and [DONE]",
@@ -47,7 +48,11 @@ SCENARIOS = {
     "long-line": "a few tokens, then a data line that never ends (32 MiB, then silence)",
     "hangup": "reads the request, then closes the connection without answering",
 }
-CHAT_ONLY = frozenset({"content-only", "reasoning-only", "tool", "parallel-tools"})
+TOOL_SCENARIOS = frozenset({"tool", "parallel-tools"})
+"""Scenarios that call tools, unless the conversation ends with a tool result: then the stub
+answers it with content-only, as a model answers its tools' output (an agent that sends the
+output back would otherwise be called again forever)."""
+CHAT_ONLY = frozenset({"content-only", "reasoning-only", *TOOL_SCENARIOS})
 """Scenarios about a chat message's parts: a text completion has no reasoning or tool calls."""
 FAULTS = frozenset({"fail", "garbage", "reset", "truncate", "stall", "abort", "long-line"})
 """Scenarios that break a stream off after a few tokens."""
@@ -178,7 +183,7 @@ class Exchange(ABC):
         self.prompts = self._prompts()
         self.prompt_tokens = sum(len(p) for p in self.prompts)
         self.cache_hits = [0] * len(self.prompts)  # per prompt, set by the stub's prefix cache
-        self.scenario = _scenario(self._scenario_words(), self.scenarios)
+        self.scenario = self._pick_scenario()
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._call: IDelayedCall | None = None
@@ -196,6 +201,9 @@ class Exchange(ABC):
     @abstractmethod
     def _scenario_words(self) -> list[str]:
         """The words a scenario is picked from."""
+
+    def _pick_scenario(self) -> str:
+        return _scenario(self._scenario_words(), self.scenarios)
 
     @property
     @abstractmethod
@@ -294,6 +302,16 @@ class Generation(Exchange):
         last_user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"][-1:]
         return prompt_words(last_user)
 
+    def _pick_scenario(self) -> str:
+        """The last user message's scenario, but content-only for a tool scenario once the
+        conversation ends with a tool result (the word stays in that user message)."""
+        scenario = super()._pick_scenario()
+        messages = self.body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if scenario in TOOL_SCENARIOS and isinstance(last, dict) and last.get("role") == "tool":
+            return "content-only"
+        return scenario
+
     @property
     def output_tokens(self) -> int:
         output = self.body.get("max_tokens") or self.body.get("max_completion_tokens")
@@ -371,7 +389,7 @@ class Generation(Exchange):
 
     def _close(self) -> Iterator[bytes]:
         """Any tool calls, then the finish chunk."""
-        if self.scenario in ("tool", "parallel-tools"):
+        if self.scenario in TOOL_SCENARIOS:
             yield from self._tool_calls(2 if self.scenario == "parallel-tools" else 1)
             finish = "tool_calls"
         elif self.scenario == "abort":

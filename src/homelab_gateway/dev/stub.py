@@ -9,7 +9,9 @@ chunk, a non-standard `stop_reason`, usage on every chunk with `continuous_usage
 after `hold` seconds, like a prefill; a whole answer (an embedding always) after `hold`.
 
 A word in the prompt picks a scenario (see SCENARIOS): in chat's last user message, in any text
-prompt of a completion or input of an embedding. The log gets a line, naming the `endpoint`,
+prompt of a completion or input of an embedding. A chat that ends with a tool result is answered
+content-only instead of calling a tool again (TOOL_SCENARIOS), as a model answers its tools'
+output, so an agent's tool loop ends. The log gets a line, naming the `endpoint`,
 when a request starts (with a digest of its prompt, so a test can tell whether one request ran
 twice, even across restarts of the stub), when it completes (when `[DONE]` is written, as
 vLLM's engine is done by then), when it is refused, on a `hangup` and, the moment the client
