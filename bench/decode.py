@@ -27,7 +27,8 @@ from typing import Any
 import orjson
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.core.responses import ResponseStream, map_responses
+from homelab_gateway.core.response_stream import ResponseStream
+from homelab_gateway.core.responses import map_responses
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 from homelab_gateway.surfaces.messages import EventStream
 from homelab_gateway.surfaces.responses import PING_COMMENT

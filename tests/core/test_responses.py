@@ -13,13 +13,9 @@ from hypothesis import strategies as st
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.mapping import InvalidRequest
-from homelab_gateway.core.responses import (
-    INPUT_SCHEMA,
-    Offered,
-    ResponsesRequest,
-    ResponseStream,
-    map_responses,
-)
+from homelab_gateway.core.response_stream import ResponseStream
+from homelab_gateway.core.responses import INPUT_SCHEMA, Offered, ResponsesRequest, map_responses
+from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 from tests.core.test_translator import chunk, chunks, tool_args, tool_head, upstream_frames
 from tests.openresponses import check_response, check_stream
@@ -446,7 +442,7 @@ def test_reasoning_text_and_a_tool_call_are_three_items_in_order() -> None:
     assert call["call_id"] == "chatcmpl-tool-0"  # the upstream's own id
     assert final["usage"] == {
         "input_tokens": 7,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": 9,
         "output_tokens_details": {"reasoning_tokens": 2},
         "total_tokens": 16,
@@ -677,3 +673,232 @@ def test_raw_upstream_bytes_split_anywhere_give_a_valid_responses_stream(
     events = [orjson.loads(orjson.dumps(e)) for e in events]
     if events:
         check_stream(events)
+
+
+def test_assistant_text_between_a_call_and_its_output_joins_the_calls_message() -> None:
+    """Chat wants a call's results right after the message that made it: the gateway's own
+    output (text, a call, more text) comes back in that order, and images follow all results."""
+    image = "data:image/png;base64,iVBORw0KGgo="
+    out = upstream(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": "A"},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"role": "assistant", "content": "B"},
+                {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "a",
+                    "output": [{"type": "input_image", "image_url": image}],
+                },
+                {"type": "function_call_output", "call_id": "b", "output": "done"},
+                {"role": "user", "content": "next"},
+            ],
+        }
+    )
+    assert [m["role"] for m in out["messages"]] == [
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "user",
+        "user",
+    ]
+    assistant = out["messages"][1]
+    assert assistant["content"] == "AB"
+    assert [c["id"] for c in assistant["tool_calls"]] == ["a", "b"]
+    assert out["messages"][4]["content"][0]["type"] == "image_url"
+
+
+def test_past_arguments_that_are_no_json_object_go_upstream_as_one() -> None:
+    """vLLM parses a past call's arguments to render them: a call cut short or a model's slip
+    would fail every later turn of the conversation."""
+    out = upstream(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": '{"cmd": "ls'},
+                {"type": "function_call_output", "call_id": "a", "output": "?"},
+            ],
+        }
+    )
+    arguments = out["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments) == {"unparsed_arguments": '{"cmd": "ls'}
+
+
+def test_allowed_tools_names_custom_and_namespaced_tools_and_refuses_unknown_ones() -> None:
+    body = {
+        "model": "m",
+        "input": "hi",
+        "tools": [
+            APPLY_PATCH,
+            {"type": "function", "name": "f"},
+            {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "spawn"}]},
+        ],
+        "tool_choice": {
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [
+                {"type": "custom", "name": "apply_patch"},
+                {"type": "function", "name": "spawn", "namespace": "ns"},
+            ],
+        },
+    }
+    out = upstream(body)
+    assert [t["function"]["name"] for t in out["tools"]] == ["apply_patch", "ns__spawn"]
+    assert out["tool_choice"] == "required"
+    response, _ = stream_of(body)
+    assert orjson.loads(response.response())["tool_choice"] == {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [
+            {"type": "function", "name": "apply_patch"},
+            {"type": "function", "name": "ns__spawn"},
+        ],
+    }
+    body["tool_choice"]["tools"] = [{"type": "function", "name": "ghost"}]
+    assert refusal(body).param == "tool_choice.tools.0.name"
+
+
+def test_the_models_cap_applies_to_a_limit_its_params_set_and_the_echo_says_it() -> None:
+    model = ModelConfig(
+        name="local",
+        upstream="vllm",
+        upstream_model="q",
+        max_tokens=100,
+        params={"max_completion_tokens": 5000},
+    )
+    mapped = map_responses({"model": "m", "input": "hi", "max_output_tokens": 4000}, model)
+    out = json.loads(mapped.packed.body(model="q"))
+    assert (out["max_tokens"], out["max_completion_tokens"]) == (100, 100)
+    assert json.loads(mapped.echo)["max_output_tokens"] == 100
+
+
+def test_a_call_the_output_limit_cut_is_never_given_done() -> None:
+    """Its arguments are half a JSON text, and Codex runs every call it gets done."""
+    events, _ = run(
+        [
+            chunk({"content": "Let me"}),
+            tool_head(0, "f"),
+            tool_args(0, '{"cmd": "l'),
+            chunk({}, "length"),
+        ]
+    )
+    assert check_stream(events) == "response.incomplete"
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.output_item.done") == 1  # the message's, not the call's
+    assert "response.function_call_arguments.done" not in kinds
+    call = events[-1]["response"]["output"][-1]
+    assert (call["type"], call["status"]) == ("function_call", "incomplete")
+
+
+def test_an_upstream_tool_id_with_a_lone_surrogate_is_made_whole() -> None:
+    response, translator = stream_of()
+    head = tool_head(0, "f")
+    head["choices"][0]["delta"]["tool_calls"][0]["id"] = "\ud800x"
+    events = response.feed(
+        translator.feed(head) + translator.feed(chunk({}, "tool_calls")) + translator.end()
+    )
+    encoded = b"".join(encode_event(e) for e in events)  # orjson refuses a lone surrogate
+    assert "\ufffdx".encode() in encoded
+
+
+def test_minimal_effort_is_echoed_as_the_low_it_runs_as() -> None:
+    response, _ = stream_of({"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
+    document = orjson.loads(response.response())
+    check_response(document)
+    assert document["reasoning"] == {"effort": "low", "summary": None}
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+FIELDS = [
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "reasoning",
+    "text",
+    "metadata",
+    "stream",
+    "user",
+    "prompt_cache_key",
+    "truncation",
+    "service_tier",
+    "max_tool_calls",
+    "top_logprobs",
+    "background",
+    "store",
+]
+CODEX_LIKE = {
+    "model": "m",
+    "input": [
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "sys"}],
+        },
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c", "name": "exec_command", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ],
+    "tools": [
+        {"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+        APPLY_PATCH,
+    ],
+    "tool_choice": "auto",
+    "reasoning": {"effort": "low", "summary": "auto"},
+    "text": {"format": {"type": "text"}},
+}
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [path]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out += _paths(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            out += _paths(item, (*path, index))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), json_values)
+def test_any_value_anywhere_is_mapped_or_refused_naming_a_field(
+    data: st.DataObject, value: Any
+) -> None:
+    """Every odd value in every place of a Codex-like body, and in each top-level field: a
+    mapped request whose echo encodes, or an InvalidRequest, never another exception."""
+    import copy
+
+    body = copy.deepcopy(CODEX_LIKE)
+    places = [p for p in _paths(body)[1:] if p != ("model",)]  # the surface checks the model
+    path = data.draw(st.sampled_from(places + [(name,) for name in FIELDS]))
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    try:
+        mapped = map_responses(body, MODEL)
+    except InvalidRequest as e:
+        assert e.param, e
+        return
+    orjson.loads(mapped.echo)
+    mapped.packed.body(model="q")

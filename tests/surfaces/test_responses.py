@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from homelab_gateway.core.errors import GatewayError, upstream_http_error
+from homelab_gateway.surfaces.responses import failure_code
 from tests.helpers import raw_request, wait_for
 from tests.openresponses import check_response, check_stream
 from tests.surfaces.test_openai import OpenAISurface
@@ -193,3 +195,25 @@ class TheLine(Responses):
         self.assertIn("try again in 5s", error["message"])
         busy.disconnect()
         await self.settled()
+
+    @async_test
+    async def test_the_upstreams_refusal_of_a_queued_request_is_response_failed(self) -> None:
+        busy = await self.hold_the_slot()
+        waiting = raw_request(self.port, "POST", RESPONSES, ask("error400"))
+        await waiting.until_text("event: response.queued")
+        busy.disconnect()
+        await waiting.closed
+        events = events_of(waiting.body_text())
+        self.assertEqual(check_stream(events), "response.failed")
+        # A refusal that is no context overflow the gateway knows: final, never retried.
+        self.assertEqual(events[-1]["response"]["error"]["code"], "invalid_prompt")
+        await self.settled()
+
+
+def test_a_refusal_after_events_is_final_and_a_fault_is_retried() -> None:
+    """Codex retries a `response.failed` unless its code says that would not help."""
+    refused = upstream_http_error(400, b'{"error": {"message": "bad template"}}', None)
+    assert failure_code(refused) == "invalid_prompt"
+    assert failure_code(upstream_http_error(500, b"oops", None)) == "server_error"
+    assert failure_code(GatewayError(529, "full", outcome="queue_timeout")) == "rate_limit_exceeded"
+    assert failure_code(GatewayError(503, "redis away")) == "server_error"

@@ -1,27 +1,19 @@
-"""OpenAI Responses requests in, chat-completions requests out; the translator's block events in,
-Responses events out; no I/O.
+"""OpenAI Responses requests in, chat-completions requests out, with no I/O (the answer's
+events are `response_stream`'s).
 
 The gateway keeps no state: the whole conversation comes in `input` every turn (Codex resends
 it), so `previous_response_id` and `conversation` are refused by name. Each request is mapped
 once, validated as it goes, so a 400 names the exact item (`input.3.call_id: ...`).
-
-The answer reuses `StreamTranslator`: its blocks (thinking, text, tool_use) are the Responses
-output items (reasoning, message, function_call) one for one, so chunk handling (reasoning
-fields, tool fragments, surrogates, usage, finish reasons) has one implementation.
-`ResponseStream` numbers the events, keeps the output for the final object, and holds a closed
-item's `done` events until it knows whether the answer ended there cut short.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import secrets
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-
-import orjson
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.mapping import (
@@ -36,8 +28,8 @@ from homelab_gateway.core.mapping import (
     merge,
     request_model,
 )
-from homelab_gateway.core.sse import encode_event
-from homelab_gateway.core.translator import Event, replace_lone_surrogates
+from homelab_gateway.core.openai import OUTPUT_LIMITS
+from homelab_gateway.core.translator import replace_lone_surrogates
 
 HOSTED_TOOLS = frozenset(
     {
@@ -57,8 +49,9 @@ HOSTED_TOOLS = frozenset(
         "tool_search",
     }
 )
-"""Tools OpenAI runs itself: no upstream here can, so they are dropped from the request (Codex
-always offers `web_search`) rather than refused."""
+"""Tools OpenAI runs, or that only OpenAI's models are trained to call in its own format (a
+shell, `apply_patch` as a built-in): they are dropped from the request (Codex always offers
+`web_search`) rather than refused."""
 HOSTED_ITEMS = frozenset(
     {
         "web_search_call",
@@ -75,12 +68,17 @@ HOSTED_ITEMS = frozenset(
         "local_shell_call_output",
         "tool_search_call",
         "tool_search_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
     }
 )
 """History items of those tools, and `reasoning`: the upstream takes none of them back."""
 STATELESS = ("previous_response_id", "conversation", "prompt")
 """Fields that name something stored on the server: this gateway stores nothing."""
 EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+"""Each effort as chat's `reasoning_effort` takes it."""
 TOOL_CHOICES = frozenset({"auto", "none", "required"})
 NAMESPACE_SEPARATOR = "__"
 """Between a namespace and a function's name, where a namespaced tool is offered upstream."""
@@ -127,8 +125,8 @@ def map_responses(
             "background: this gateway stores no responses; stream the answer instead",
             "background",
         )
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest(f"stream: must be a boolean, got {kind_of(stream)}", "stream")
 
     tools, names, echo_tools = _tools(body.get("tools"))
@@ -148,25 +146,23 @@ def map_responses(
         value = _optional(body, name, is_number, "a number")
         if value is not None:
             out[name] = value
-    top_logprobs = _optional(body, "top_logprobs", is_int, "an integer >= 0", least=0)
-    if top_logprobs:
+    if _optional(body, "top_logprobs", is_int, "an integer >= 0", least=0):
         raise InvalidRequest("top_logprobs: log probabilities are not served here", "top_logprobs")
+    choice, offered, echo_choice = _tool_choice(body.get("tool_choice"), flat)
+    if offered is not None:
+        tools = [tool for tool in tools if tool["function"]["name"] in offered]
     if tools:
         out["tools"] = tools
-        choice = body.get("tool_choice")
         if choice is not None:
-            out["tool_choice"], offered = _tool_choice(choice, names)
-            if offered is not None:
-                out["tools"] = [t for t in tools if t["function"]["name"] in offered]
+            out["tool_choice"] = choice
     parallel = body.get("parallel_tool_calls")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            raise InvalidRequest(
-                f"parallel_tool_calls: must be a boolean, got {kind_of(parallel)}",
-                "parallel_tool_calls",
-            )
-        if tools:
-            out["parallel_tool_calls"] = parallel
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest(
+            f"parallel_tool_calls: must be a boolean, got {kind_of(parallel)}",
+            "parallel_tool_calls",
+        )
+    if tools and parallel is not None:
+        out["parallel_tool_calls"] = parallel
     reasoning, asked = _reasoning(body.get("reasoning"), model, out)
     text = _text_config(body.get("text"), out)
     metadata = body.get("metadata")
@@ -178,53 +174,64 @@ def map_responses(
     if continuous_usage_stats:
         out["stream_options"]["continuous_usage_stats"] = True
     upstream = merge(model.params, out)
-    if model.max_tokens is not None:
-        upstream["max_tokens"] = min(
-            upstream.get("max_tokens") or model.max_tokens, model.max_tokens
-        )
+    if model.max_tokens is not None:  # the model's cap, on whichever limit is set, as chat's
+        for name in OUTPUT_LIMITS:
+            if is_int(upstream.get(name)):
+                upstream[name] = min(upstream[name], model.max_tokens)
+        if not any(is_int(upstream.get(name)) for name in OUTPUT_LIMITS):
+            upstream["max_tokens"] = model.max_tokens
 
     keys = {name: body.get(name) for name in ("prompt_cache_key", "safety_identifier", "user")}
-    session = next((v for v in keys.values() if isinstance(v, str) and v), None)
     echo = {
         "instructions": instructions,
-        "max_output_tokens": limit,
-        "max_tool_calls": body.get("max_tool_calls")
-        if is_int(body.get("max_tool_calls"))
-        else None,
-        "parallel_tool_calls": parallel if parallel is not None else True,
-        "tool_choice": _echo_choice(body.get("tool_choice"), tools),
         "tools": echo_tools,
+        "tool_choice": echo_choice if tools else "auto",
+        "parallel_tool_calls": parallel if parallel is not None else True,
+        "reasoning": reasoning,
+        "text": text,
+        "metadata": dict(metadata or {}),
+        **_echo(body, upstream, keys),
+    }
+    mapped = MappedRequest(
+        model=replace_lone_surrogates(client_model),
+        stream=bool(stream),
+        body=upstream,
+        stop_sequences=(),
+        estimated_input_tokens=estimate_tokens(messages, tools),
+        show_reasoning=model.show_reasoning == "always" or asked,
+    )
+    session = next((v for v in keys.values() if isinstance(v, str) and v), None)
+    return ResponsesRequest(
+        mapped.packed(), dumps(_clean(echo)), names, frozenset(call_ids), session
+    )
+
+
+def _echo(
+    body: Mapping[str, Any], upstream: Mapping[str, Any], keys: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The response's fields that repeat the request's settings: the values that apply (the
+    model's `params` and its cap included), and the specification's defaults elsewhere."""
+    limit = next((upstream[n] for n in OUTPUT_LIMITS if is_int(upstream.get(n))), None)
+    tier = body.get("service_tier")
+    echo = {
+        "max_output_tokens": limit,
+        "max_tool_calls": body["max_tool_calls"] if is_int(body.get("max_tool_calls")) else None,
         "temperature": upstream.get("temperature", 1.0),
         "top_p": upstream.get("top_p", 1.0),
         "presence_penalty": upstream.get("presence_penalty", 0.0),
         "frequency_penalty": upstream.get("frequency_penalty", 0.0),
         "top_logprobs": 0,
-        "reasoning": reasoning,
-        "text": text,
         "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
         "store": False,  # accepted, and never true: nothing is stored
         "background": False,
-        "service_tier": body.get("service_tier")
-        if isinstance(body.get("service_tier"), str)
-        else "default",
-        "metadata": dict(metadata or {}),
+        "service_tier": tier if isinstance(tier, str) else "default",
         "safety_identifier": _string_or_none(keys["safety_identifier"]),
         "prompt_cache_key": _string_or_none(keys["prompt_cache_key"]),
         "previous_response_id": None,
     }
     if isinstance(keys["user"], str):
         echo["user"] = keys["user"]
-    mapped = MappedRequest(
-        model=replace_lone_surrogates(client_model),
-        stream=stream,
-        body=upstream,
-        stop_sequences=(),
-        estimated_input_tokens=estimate_tokens(messages, tools),
-        show_reasoning=model.show_reasoning == "always" or asked,
-    )
-    return ResponsesRequest(
-        mapped.packed(), dumps(_clean(echo)), names, frozenset(call_ids), session
-    )
+    return echo
 
 
 def _clean(value: Any) -> Any:
@@ -261,7 +268,9 @@ def _input(
 
     `instructions` and the system and developer messages that open the input become one
     leading system message: chat templates reject "developer", and many take one system
-    message, first. A later one stays where it is, as a system message."""
+    message, first. A later one stays where it is, as a system message. Chat wants a call's
+    results right after the message that made it: assistant text that comes between a call
+    and its output joins that message, and images a tool returned follow all its results."""
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list):
@@ -270,34 +279,46 @@ def _input(
         )
     system = [instructions] if instructions else []
     out: list[dict[str, Any]] = []
-    calls: set[str] = set()
-    opening = True
-    joinable = False  # the last message is the assistant's: a call joins it
+    calls: set[str] = set()  # every call id so far
+    unanswered: set[str] = set()  # the calls of `holder` with no output yet
+    holder: dict[str, Any] | None = None  # the assistant message the next call joins
+    images: list[dict[str, Any]] = []  # what the tools returned, after their results
+
+    def add(message: dict[str, Any]) -> None:
+        nonlocal holder
+        if images:
+            out.append({"role": "user", "content": images[:]})
+            images.clear()
+        out.append(message)
+        holder = message if message["role"] == "assistant" else None
+
     for i, item in enumerate(items):
         where = f"input.{i}"
         if not isinstance(item, Mapping):
             raise InvalidRequest(f"{where}: must be an object, got {kind_of(item)}", where)
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise InvalidRequest(
+                f"{where}.type: must be a string, got {kind_of(kind)}", f"{where}.type"
+            )
         if kind in HOSTED_ITEMS or kind == "reasoning":
             continue
         if kind == "message":
             role = item.get("role")
             if role in ("system", "developer"):
                 text = _text_content(item.get("content"), f"{where}.content")
-                if opening:
+                if not out:
                     system.append(text)
                 else:
-                    out.append({"role": "system", "content": text})
-                    joinable = False
-                continue
-            opening = False
-            if role == "assistant":
+                    add({"role": "system", "content": text})
+            elif role == "assistant":
                 text = _text_content(item.get("content"), f"{where}.content", assistant=True)
-                out.append({"role": "assistant", "content": text})
-                joinable = True
+                if holder is not None and unanswered:
+                    holder["content"] = (holder["content"] or "") + text
+                else:
+                    add({"role": "assistant", "content": text})
             elif role == "user":
-                out.append({"role": "user", "content": _user_content(item.get("content"), where)})
-                joinable = False
+                add({"role": "user", "content": _user_content(item.get("content"), where)})
             else:
                 raise InvalidRequest(
                     f"{where}.role: must be 'user', 'assistant', 'system' or 'developer', "
@@ -305,7 +326,6 @@ def _input(
                     f"{where}.role",
                 )
         elif kind in ("function_call", "custom_tool_call"):
-            opening = False
             call_id = _string(item, "call_id", where)
             if call_id in calls:
                 raise InvalidRequest(
@@ -318,48 +338,60 @@ def _input(
             if kind == "custom_tool_call":
                 arguments = dumps({"input": _string(item, "input", where, empty=True)}).decode()
             else:
-                arguments = item.get("arguments", "")
-            if not isinstance(arguments, str):
-                raise InvalidRequest(
-                    f"{where}.arguments: must be a string of JSON, got {kind_of(arguments)}",
-                    f"{where}.arguments",
-                )
+                arguments = _arguments(item.get("arguments", ""), f"{where}.arguments")
             call = {
                 "id": call_id,
                 "type": "function",
-                "function": {"name": upstream_name or name, "arguments": arguments or "{}"},
+                "function": {"name": upstream_name or name, "arguments": arguments},
             }
-            if joinable:
-                out[-1].setdefault("tool_calls", []).append(call)
-                if not out[-1]["content"]:
-                    out[-1]["content"] = None
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                joinable = True
+            if holder is None or (holder is not out[-1] and not unanswered):
+                add({"role": "assistant", "content": None})
+                unanswered.clear()
+            assert holder is not None
+            holder.setdefault("tool_calls", []).append(call)
+            holder["content"] = holder["content"] or None
+            unanswered.add(call_id)
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            opening = False
             call_id = _string(item, "call_id", where)
             if call_id not in calls:
                 raise InvalidRequest(
                     f"{where}.call_id: {call_id!r} answers no function_call before it",
                     f"{where}.call_id",
                 )
-            text, images = _output_content(item.get("output"), f"{where}.output")
+            text, returned = _output_content(item.get("output"), f"{where}.output")
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
-            if images:  # a tool message carries text only: its images follow as the user's
-                out.append({"role": "user", "content": images})
-            joinable = False
+            images.extend(returned)  # a tool message carries text only
+            unanswered.discard(call_id)
         else:
             raise InvalidRequest(
                 f"{where}.type: item type {kind!r} is not supported here (this gateway keeps no "
                 "state, and runs no hosted tools)",
                 f"{where}.type",
             )
+    if images:
+        out.append({"role": "user", "content": images})
     if system:
         out.insert(0, {"role": "system", "content": "\n\n".join(system)})
     if not any(message["role"] != "system" for message in out):
         raise InvalidRequest("input: holds no user or assistant message", "input")
     return out, calls
+
+
+def _arguments(arguments: Any, where: str) -> str:
+    """A past call's arguments for the upstream, which parses them (vLLM renders them into
+    its chat template): where they are no JSON object (a call cut short, a model's slip),
+    they go as one, holding the text, so the conversation can still go on."""
+    if not isinstance(arguments, str):
+        raise InvalidRequest(f"{where}: must be a string of JSON, got {kind_of(arguments)}", where)
+    if not arguments:
+        return "{}"
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        value = None
+    if isinstance(value, dict):
+        return arguments
+    return dumps({"unparsed_arguments": arguments}).decode()
 
 
 def _text_content(content: Any, where: str, *, assistant: bool = False) -> str:
@@ -571,25 +603,23 @@ def _as_function(tool: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"name": tool.get("name"), "description": "\n\n".join(parts), "parameters": INPUT_SCHEMA}
 
 
-def _tool_choice(choice: Any, names: Mapping[str, Offered]) -> tuple[Any, set[str] | None]:
-    """Chat's tool_choice, and the tools to offer where the choice narrows them."""
+def _tool_choice(
+    choice: Any, flat: Mapping[tuple[str | None, str], str]
+) -> tuple[Any, set[str] | None, Any]:
+    """Chat's tool_choice, the upstream names to offer where the choice narrows them
+    (`allowed_tools`), and the choice as the response echoes it."""
+    if choice is None:
+        return None, None, "auto"
     if isinstance(choice, str) and choice in TOOL_CHOICES:
-        return choice, None
+        return choice, None, choice
     if not isinstance(choice, Mapping):
         raise InvalidRequest(
             "tool_choice: must be 'auto', 'none', 'required' or an object", "tool_choice"
         )
     kind = choice.get("type")
-    flat = {(tool.namespace, tool.name): upstream for upstream, tool in names.items()}
     if kind in ("function", "custom"):
-        name = _string(choice, "name", "tool_choice")
-        namespace = choice.get("namespace")
-        upstream_name = flat.get((namespace if isinstance(namespace, str) else None, name), name)
-        if upstream_name not in names:
-            raise InvalidRequest(
-                f"tool_choice.name: {name!r} is not among the tools", "tool_choice.name"
-            )
-        return {"type": "function", "function": {"name": upstream_name}}, None
+        name = _offered(choice, "tool_choice", flat)
+        return {"type": "function", "function": {"name": name}}, None, _named(name)
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
         if mode not in ("auto", "required"):
@@ -598,29 +628,37 @@ def _tool_choice(choice: Any, names: Mapping[str, Offered]) -> tuple[Any, set[st
                 "tool_choice.mode",
             )
         allowed = choice.get("tools")
-        if not isinstance(allowed, list):
+        if not isinstance(allowed, list) or not allowed:
             raise InvalidRequest(
-                f"tool_choice.tools: must be an array, got {kind_of(allowed)}", "tool_choice.tools"
+                f"tool_choice.tools: must be a non-empty array, got {kind_of(allowed)}",
+                "tool_choice.tools",
             )
-        offered = set()
-        for j, tool in enumerate(allowed):
-            if isinstance(tool, Mapping) and tool.get("type") == "function":
-                name = _string(tool, "name", f"tool_choice.tools.{j}")
-                offered.add(flat.get((None, name), name))
-        return mode, offered
+        names = [_offered(tool, f"tool_choice.tools.{j}", flat) for j, tool in enumerate(allowed)]
+        echo = {"type": "allowed_tools", "mode": mode, "tools": [_named(n) for n in names]}
+        return mode, set(names), echo
     raise InvalidRequest(
-        f"tool_choice.type: must be 'function' or 'allowed_tools' (hosted tools are not run "
-        f"here), got {kind_of(kind)}",
+        f"tool_choice.type: must be 'function', 'custom' or 'allowed_tools' (hosted tools are "
+        f"not run here), got {kind_of(kind)}",
         "tool_choice.type",
     )
 
 
-def _echo_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
-    if isinstance(choice, Mapping) and choice.get("type") == "function" and tools:
-        return {"type": "function", "name": choice.get("name")}
-    if isinstance(choice, str) and choice in TOOL_CHOICES:
-        return choice
-    return "auto"
+def _offered(entry: Any, where: str, flat: Mapping[tuple[str | None, str], str]) -> str:
+    """The upstream name of the tool a choice names: one the request offers."""
+    if not isinstance(entry, Mapping) or entry.get("type") not in ("function", "custom"):
+        raise InvalidRequest(f"{where}: must name a function or custom tool", where)
+    name = _string(entry, "name", where)
+    namespace = entry.get("namespace")
+    upstream_name = flat.get((namespace if isinstance(namespace, str) else None, name))
+    if upstream_name is None:
+        raise InvalidRequest(f"{where}.name: {name!r} is not among the tools", f"{where}.name")
+    return upstream_name
+
+
+def _named(name: str) -> dict[str, str]:
+    """A named tool, as a response's `tool_choice` says it (the name the model sees, as the
+    echoed tools say it too)."""
+    return {"type": "function", "name": name}
 
 
 def _reasoning(
@@ -632,13 +670,13 @@ def _reasoning(
     if not isinstance(reasoning, Mapping):
         raise InvalidRequest(f"reasoning: must be an object, got {kind_of(reasoning)}", "reasoning")
     effort = reasoning.get("effort")
-    if effort is not None and effort != "none" and effort not in EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in {*EFFORTS, "none"}):
         raise InvalidRequest(
             f"reasoning.effort: must be one of none, {', '.join(EFFORTS)}, got {kind_of(effort)}",
             "reasoning.effort",
         )
     summary = reasoning.get("summary")
-    if summary not in (None, "auto", "concise", "detailed"):
+    if summary is not None and summary not in ("auto", "concise", "detailed"):
         raise InvalidRequest(
             f"reasoning.summary: must be 'auto', 'concise' or 'detailed', got {kind_of(summary)}",
             "reasoning.summary",
@@ -647,7 +685,9 @@ def _reasoning(
         out["reasoning_effort"] = EFFORTS[effort]
     if effort is not None and model.map_thinking:
         out["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
-    return {"effort": effort, "summary": summary}, effort != "none"
+    # The specification's efforts have no "minimal": it is echoed as the "low" it runs as.
+    echoed = "low" if effort == "minimal" else effort
+    return {"effort": echoed, "summary": summary}, effort != "none"
 
 
 def _text_config(text: Any, out: dict[str, Any]) -> dict[str, Any]:
@@ -731,349 +771,3 @@ def _string(item: Mapping[str, Any], key: str, where: str, *, empty: bool = Fals
             f"{where}.{key}: must be {wanted}, got {kind_of(value)}", f"{where}.{key}"
         )
     return value
-
-
-def new_response_id() -> str:
-    return "resp_" + secrets.token_hex(24)
-
-
-INCOMPLETE = {"max_tokens": "max_output_tokens", "refusal": "content_filter"}
-"""The translator's stop reasons that leave a response incomplete, and the reason it says."""
-
-
-class ResponseStream:
-    """The translator's block events in, Responses events out, numbered from 0.
-
-    A queued stream starts with `queue_frame` (`response.created`, then `response.queued` at
-    each new place); `begin` says its slot came (`response.in_progress`), and `feed` takes the
-    translator's events from there. After `completed`, `incomplete` or `failed` every call
-    returns nothing. `response()` is the final object, the whole answer of a request that did
-    not stream.
-    """
-
-    def __init__(
-        self, request: ResponsesRequest, *, response_id: str, now: Callable[[], float]
-    ) -> None:
-        self.request = request
-        self.id = response_id
-        self.now = now  # for `created_at` and `completed_at`
-        self.created_at = int(now())
-        self.completed_at: int | None = None
-        self.status: str | None = None  # what the client was last told; None: nothing yet
-        self._sequence = 0
-        self._output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the item being streamed
-        self._index = -1  # its place in the output
-        self._parts: list[str] = []  # its text or arguments so far
-        self._closing = False  # its block ended: its `done` events wait for the stop reason
-        self._queued: orjson.Fragment | None = None  # the queued response, made once
-        self._calls: set[str] = set()  # call ids given in this answer
-        self._reasoning_deltas = 0
-        self._usage: dict[str, Any] | None = None
-        self._stop_reason: str | None = None
-        self.error: dict[str, str] | None = None
-
-    @property
-    def over(self) -> bool:
-        return self.status in ("completed", "incomplete", "failed")
-
-    def call_id(self, upstream_id: Any) -> str:
-        """The call id of a new tool call: the upstream's, unless it has none or it repeats
-        one of the conversation's (some servers number their calls from 0 every turn)."""
-        taken = self.request.call_ids
-        if isinstance(upstream_id, str) and upstream_id not in taken | self._calls | {""}:
-            self._calls.add(upstream_id)
-            return upstream_id
-        call_id = "call_" + secrets.token_hex(12)
-        self._calls.add(call_id)
-        return call_id
-
-    def queue_frame(self, position: int, estimate: float | None) -> bytes:
-        """The frames that tell a waiting stream its place, with `response.created` first."""
-        events = []
-        if self.status is None:
-            self.status = "queued"
-            events.append(self._lifecycle("response.created"))
-        if self._queued is None:
-            self._queued = orjson.Fragment(self._response())
-        queue: dict[str, Any] = {"type": "queue", "position": position}
-        if estimate is not None:
-            queue["estimated_wait_s"] = round(estimate, 1)
-        events.append(self._event("response.queued", response=self._queued, queue=queue))
-        return b"".join(map(encode_event, events))
-
-    def begin(self) -> list[Event]:
-        """The slot came: `response.in_progress` (after `response.created`, if not yet sent)."""
-        if self.status not in (None, "queued"):
-            return []
-        events = []
-        if self.status is None:
-            self.status = "in_progress"
-            events.append(self._lifecycle("response.created"))
-        self.status, self._queued = "in_progress", None
-        events.append(self._lifecycle("response.in_progress"))
-        return events
-
-    def feed(self, events: list[Event]) -> list[Event]:
-        """The Responses events for a batch of the translator's events."""
-        out: list[Event] = []
-        for event in events:
-            if self.over:
-                break
-            kind = event["type"]
-            if self._closing and kind != "message_delta":
-                out += self._close("completed")
-            if kind == "content_block_delta":
-                self._delta(event["delta"], out)
-            elif kind == "content_block_start":
-                out += self._start(event["content_block"])
-            elif kind == "content_block_stop":
-                self._closing = True
-            elif kind == "message_start":
-                out += self.begin()
-            elif kind == "message_delta":
-                self._stop_reason = event["delta"]["stop_reason"]
-                self._usage = event["usage"]
-                if self._closing:
-                    out += self._close(
-                        "incomplete" if self._stop_reason in INCOMPLETE else "completed"
-                    )
-            elif kind == "message_stop":
-                out += self._finish()
-            elif kind == "error":
-                # Codex retries a `server_error`, and not `server_is_overloaded`: an upstream
-                # that broke off or aborted may well answer the next time.
-                out += self.fail("server_error", event["error"]["message"])
-        return out
-
-    def fail(self, code: str, message: str) -> list[Event]:
-        """`response.failed`, never a response that looks whole: the item cut off stays
-        `incomplete`, with what it had."""
-        if self.over:
-            return []
-        events = []
-        if self.status is None:  # the stream starts as every stream does
-            self.status = "in_progress"
-            events.append(self._lifecycle("response.created"))
-        if self._open is not None:
-            self._settle("incomplete")
-        self.error = {"code": code, "message": message}
-        self.status = "failed"
-        return [*events, self._lifecycle("response.failed")]
-
-    def response(self) -> bytes:
-        """The response object as JSON: the answer of a request that did not stream."""
-        return self._response()
-
-    def _start(self, block: Event) -> list[Event]:
-        kind = block["type"]
-        if kind == "text":
-            item = {
-                "type": "message",
-                "id": "msg_" + secrets.token_hex(16),
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        elif kind == "thinking":
-            item = {
-                "type": "reasoning",
-                "id": "rs_" + secrets.token_hex(16),
-                "summary": [],
-                "content": [],
-            }
-            part = {"type": "reasoning_text", "text": ""}
-        else:
-            tool = self.request.names.get(block["name"]) or Offered(None, block["name"])
-            item = {
-                "type": "custom_tool_call" if tool.custom else "function_call",
-                "id": ("ctc_" if tool.custom else "fc_") + secrets.token_hex(16),
-                "call_id": block["id"],
-                "name": tool.name,
-                "input" if tool.custom else "arguments": "",
-                "status": "in_progress",
-            }
-            if tool.namespace is not None:
-                item["namespace"] = tool.namespace
-            part = None
-        self._open, self._parts = item, []
-        self._output.append(item)
-        index = self._index = len(self._output) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=dict(item))]
-        if part is not None:
-            events.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
-        return events
-
-    def _delta(self, delta: Event, out: list[Event]) -> None:
-        """One delta's event: this runs once per token, so it builds the event in one go."""
-        item = self._open
-        assert item is not None
-        kind = delta["type"]
-        if kind == "text_delta":
-            text = delta["text"]
-            fields = {"delta": text, "logprobs": []}
-            name = "response.output_text.delta"
-        elif kind == "thinking_delta":
-            text = delta["thinking"]
-            self._reasoning_deltas += 1
-            fields = {"delta": text}
-            name = "response.reasoning_text.delta"
-        elif kind == "input_json_delta":
-            text = delta["partial_json"]
-            self._parts.append(text)
-            if item["type"] != "custom_tool_call":  # its input comes whole, at the end
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
-                        output_index=self._index,
-                        delta=text,
-                    )
-                )
-            return
-        else:
-            return  # a thinking block's (empty) signature: no upstream signs its reasoning
-        self._parts.append(text)
-        number = self._sequence
-        self._sequence = number + 1
-        out.append(
-            {
-                "type": name,
-                "sequence_number": number,
-                "item_id": item["id"],
-                "output_index": self._index,
-                "content_index": 0,
-                **fields,
-            }
-        )
-
-    def _settle(self, status: str) -> str:
-        """Put the open item's text in it; answer that text."""
-        item = self._open
-        assert item is not None
-        self._open, self._closing = None, False
-        text = "".join(self._parts)
-        self._parts = []
-        if item["type"] == "function_call":
-            item["arguments"], item["status"] = text or "{}", status
-            return item["arguments"]
-        if item["type"] == "custom_tool_call":
-            item["input"], item["status"] = _custom_input(text), status
-            return item["input"]
-        if item["type"] == "message":
-            item["status"] = status
-            item["content"] = [
-                {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            ]
-        else:
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-        return text
-
-    def _close(self, status: str) -> list[Event]:
-        """The `done` events of the item whose block ended."""
-        item = self._open
-        assert item is not None
-        text = self._settle(status)
-        index = self._index
-        events: list[Event] = []
-        if item["type"] == "custom_tool_call":
-            events.append(
-                self._event(
-                    "response.custom_tool_call_input.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    input=text,
-                )
-            )
-        elif item["type"] == "function_call":
-            events.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=item["name"],
-                    arguments=text,
-                )
-            )
-        else:
-            done = (
-                "response.output_text.done"
-                if item["type"] == "message"
-                else "response.reasoning_text.done"
-            )
-            fields: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events.append(self._event(done, **where, text=text, **fields))
-            events.append(
-                self._event("response.content_part.done", **where, part=item["content"][0])
-            )
-        events.append(self._event("response.output_item.done", output_index=index, item=item))
-        return events
-
-    def _finish(self) -> list[Event]:
-        reason = INCOMPLETE.get(self._stop_reason or "")
-        self.status = "completed" if reason is None else "incomplete"
-        self.completed_at = int(self.now())
-        return [self._lifecycle("response.completed" if reason is None else "response.incomplete")]
-
-    def _event(self, kind: str, **fields: Any) -> Event:
-        event = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return event
-
-    def _lifecycle(self, kind: str) -> Event:
-        return self._event(kind, response=orjson.Fragment(self._response()))
-
-    def _response(self) -> bytes:
-        status = self.status or "in_progress"
-        over = self.over
-        reason = INCOMPLETE.get(self._stop_reason or "") if status == "incomplete" else None
-        fields = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "completed_at": self.completed_at,
-            "model": self.request.packed.model,
-            "output": list(self._output) if over else [],
-            "error": self.error,
-            "incomplete_details": {"reason": reason} if reason else None,
-            "usage": self._usage_object() if over else None,
-        }
-        return orjson.dumps(fields)[:-1] + b"," + self.request.echo[1:]
-
-    def _usage_object(self) -> dict[str, Any] | None:
-        usage = self._usage
-        if usage is None:
-            return None
-        cached = usage["cache_read_input_tokens"]
-        prompt = usage["input_tokens"] + usage["cache_creation_input_tokens"] + cached
-        output = usage["output_tokens"]
-        return {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output,
-            "output_tokens_details": {"reasoning_tokens": min(self._reasoning_deltas, output)},
-            "total_tokens": prompt + output,
-        }
-
-
-def _custom_input(arguments: str) -> str:
-    """A custom tool's input, from the arguments of the function it was offered as; a model
-    that wrote something else gets it passed on as it is."""
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return arguments
-    if isinstance(value, dict) and isinstance(value.get("input"), str):
-        return value["input"]
-    return arguments

@@ -17,12 +17,8 @@ from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.mapping import InvalidRequest
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import session_key
-from homelab_gateway.core.responses import (
-    ResponsesRequest,
-    ResponseStream,
-    map_responses,
-    new_response_id,
-)
+from homelab_gateway.core.response_stream import ResponseStream, new_response_id
+from homelab_gateway.core.responses import ResponsesRequest, map_responses
 from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.attempts import Target, answerable, attempts
@@ -102,11 +98,10 @@ class ResponsesSurface:
             if error.code == "context_length_exceeded":
                 error.param = "input"
             if stream is not None and stream.started and response is not None:
-                body = error.openai_body()["error"]
                 message = error.message
                 if error.retry_after is not None:  # the words Codex takes its delay from
                     message += f" Please try again in {error.retry_after}s."
-                stream.send(response.fail(body["code"] or body["type"], message))
+                stream.send(response.fail(failure_code(error), message))
                 return None
             return send_openai_error(request, error)
         finally:
@@ -159,6 +154,17 @@ class ResponsesSurface:
         if response.error is not None:
             raise GatewayError(502, response.error["message"])
         return response.response()
+
+
+def failure_code(error: GatewayError) -> str:
+    """The code of the `response.failed` that stands for `error` once events went out: the
+    one its HTTP error would have had, and for any other refusal of the request itself
+    `invalid_prompt`, which Codex does not retry (it would only be refused again)."""
+    code = error.openai_body()["error"]["code"]
+    if code is not None:
+        return str(code)
+    status = error.upstream_status or error.openai_status
+    return "invalid_prompt" if 400 <= status < 500 else "server_error"
 
 
 def _told_place(response: ResponseStream, stream: EventStream, position: int) -> None:

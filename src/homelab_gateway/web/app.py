@@ -180,7 +180,8 @@ class GatewayApp:
             return refusal
         error = GatewayError(
             404,
-            "this gateway stores no responses: each answer is only streamed or returned once",
+            "not served here: this gateway stores no responses, and answers only POST "
+            "/llm/v1/responses, each answer once",
             code="not_found",
         )
         return send_error(request, error, shape="openai")
