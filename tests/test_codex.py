@@ -148,6 +148,10 @@ upstream = "fast"
 
 [models.queued-coder]
 upstream = "slow"
+
+[models."gpt-*"]
+upstream = "fast"
+upstream_model = "local-coder"
 """
     gateway, url = start_gateway(cwd, config)
     codex_home = cwd / "codex-home"
@@ -231,6 +235,18 @@ def test_a_plain_turn_prints_the_stubs_answer_and_its_usage(setup: Setup) -> Non
     (reasoning,) = [item for item in run.recorded() if item["type"] == "reasoning"]
     text = " ".join(part["text"] for part in reasoning["content"])
     assert text.split() == REASONING_TEXT.split()[:REASONING_TOKENS]
+
+
+def test_a_catalog_model_name_brings_codexs_freeform_tools_and_they_map(setup: Setup) -> None:
+    """Under a name of OpenAI's catalog, Codex offers more: the freeform `apply_patch` (a
+    custom tool), `tool_search`, `web_search` with content types, `text.verbosity`, an effort.
+    The gateway maps them all (a refusal would end the run with an error)."""
+    mark = setup.fast.mark()
+    run = Codex(setup, "say hello", "-m", "gpt-5.5").finish()
+    assert run.returncode == 0, run.explain()
+    assert run.messages() == [ANSWER], run.explain()
+    [(start, request), (end, _)] = setup.fast.since(mark)
+    assert (start, request["model"], end) == ("start", "local-coder", "complete")
 
 
 def test_a_tool_call_round_trip(setup: Setup) -> None:
