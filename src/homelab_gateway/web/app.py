@@ -140,14 +140,9 @@ class GatewayApp:
         stream's whole wait in the line, its closures and the callbacks on the handler's
         Deferred (see `AnsweredByItsFlight`). An answer given at once (a refusal, a preflight)
         is Klein's to write, as any route's."""
-        answer = self._work(
-            request,
-            "messages",
-            lambda r: self.messages.answer(request, r),
-            shape="anthropic",
-            respond=True,
+        return self._flight(
+            request, "messages", lambda r: self.messages.answer(request, r), "anthropic"
         )
-        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
 
     @app.route("/llm/v1/chat/completions")
     def chat_completions(self, request: IRequest) -> Any:
@@ -163,14 +158,9 @@ class GatewayApp:
 
     @app.route("/llm/v1/responses")
     def responses_route(self, request: IRequest) -> Any:
-        answer = self._work(
-            request,
-            "responses",
-            lambda r: self.responses.answer(request, r),
-            shape="openai",
-            respond=True,
+        return self._flight(
+            request, "responses", lambda r: self.responses.answer(request, r), "openai"
         )
-        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
 
     @app.route("/llm/v1/responses/<path:rest>")
     def stored_response(self, request: IRequest, rest: str) -> Any:
@@ -187,14 +177,13 @@ class GatewayApp:
         return send_error(request, error, shape="openai")
 
     def _openai(self, request: IRequest, surface: str) -> Any:
-        """An OpenAI surface: its flight answers, as the Messages route's does."""
-        answer = self._work(
-            request,
-            surface,
-            lambda r: self.openai.answer(request, r, surface),
-            shape="openai",
-            respond=True,
+        return self._flight(
+            request, surface, lambda r: self.openai.answer(request, r, surface), "openai"
         )
+
+    def _flight(self, request: IRequest, surface: str, work: Work, shape: Shape) -> Any:
+        """A surface whose request's flight answers it (see `messages_route`)."""
+        answer = self._work(request, surface, work, shape=shape, respond=True)
         return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
 
     @app.route("/llm/v1/messages/count_tokens")
