@@ -291,6 +291,15 @@ def usage_of(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
+def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    """Of the prompt, the tokens read from the upstream's prefix cache, where its usage says
+    (`prompt_tokens_details.cached_tokens`: vLLM with `--enable-prompt-tokens-details`,
+    llama.cpp's server)."""
+    details = (usage or {}).get("prompt_tokens_details")
+    tokens = details.get("cached_tokens") if isinstance(details, dict) else None
+    return tokens if is_int(tokens) and tokens >= 0 else None
+
+
 class WholeRelay:
     """A whole (non-streamed) JSON answer, passed on as it arrives with its model renamed.
 

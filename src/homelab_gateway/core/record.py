@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str
-    surface: str  # messages | count_tokens | chat | completions | embeddings | proxy
+    surface: str  # messages | count_tokens | chat | completions | embeddings | responses | proxy
     started: float
     method: str = ""
     path: str = ""
@@ -19,7 +19,8 @@ class RequestRecord:
     stream: bool = False
     queue_wait: float | None = None
     first_token: float | None = None  # seconds from the upstream request to the first token
-    input_tokens: int | None = None
+    input_tokens: int | None = None  # the whole prompt, cached tokens included
+    cached_tokens: int | None = None  # of those, read from the upstream's prefix cache
     output_tokens: int | None = None
     stop_reason: str | None = None
     outcome: str | None = None  # None until known; "completed" if nothing else was said

@@ -509,6 +509,8 @@ class Messages:
             if backpressure is not None:
                 backpressure.release()
             record.input_tokens = translator.input_tokens
+            # As the client is told it (`cache_read_input_tokens`): never more than the prompt.
+            record.cached_tokens = min(translator.cached_tokens, translator.input_tokens)
             record.output_tokens = translator.final_output_tokens
             record.stop_reason = translator.stop_reason
         deliver(decoder.eof(upstream.name))

@@ -33,6 +33,7 @@ from homelab_gateway.core.openai import (
     OpenAIRequest,
     StreamRelay,
     WholeRelay,
+    cached_tokens,
     error_document,
     error_line,
     map_openai,
@@ -272,6 +273,7 @@ class OpenAISurface:
         finally:
             backpressure.release()
             record.input_tokens = relay.input_tokens or record.input_tokens
+            record.cached_tokens = cached_tokens(relay.usage)
             record.output_tokens = relay.output_tokens
             record.stop_reason = relay.finish_reason
         if not relay.over:
@@ -326,6 +328,7 @@ class OpenAISurface:
         ):
             if isinstance(usage.get(name), int):
                 setattr(record, field, usage[name])
+        record.cached_tokens = cached_tokens(usage)
 
 
 def early_failure(relay: StreamRelay, stream: EventStream, out: bytes) -> None:
