@@ -13,6 +13,7 @@ from twisted.trial.unittest import TestCase
 from homelab_gateway.config import (
     DEFAULT_BACKLOG,
     ConfigError,
+    UsageConfig,
     auth_key_name,
     load_config,
     parse_config,
@@ -466,3 +467,25 @@ def test_the_cluster_section_as_redis_clients_spell_it() -> None:
 )
 def test_cluster_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert error(tmp_path, text, environ={"K": "key"}).startswith(expected)
+
+
+def test_the_usage_ledger_keys(tmp_path: Path) -> None:
+    assert parse_config({}, environ={}).usage == UsageConfig("usage.sqlite3", 90)
+    database = str(tmp_path / "ledger.db")
+    text = f'[usage]\ndatabase = "{database}"\nkeep_days = 400\n'
+    usage = parse_config(tomllib.loads(text), environ={}).usage
+    assert (usage.database, usage.keep_days) == (database, 400)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[usage]\nkeep_days = 0", "usage.keep_days: must be an integer >= 1, got 0"),
+        ("[usage]\nkeep_days = 1.5", "usage.keep_days: must be an integer >= 1"),
+        ("[usage]\ndatabase = ''", "usage.database: must be a non-empty string"),
+        ("[usage]\ndatabase = '/nowhere/at/all/u.db'", "usage.database: /nowhere/at/all is not"),
+        ("[usage]\nretention = 3", "usage.retention: unknown key"),
+    ],
+)
+def test_usage_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    assert error(tmp_path, text).startswith(expected)

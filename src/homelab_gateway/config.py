@@ -139,6 +139,14 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class UsageConfig:
+    """`[usage]`: the ledger of who used what (ledger.py)."""
+
+    database: str = "usage.sqlite3"  # relative: under the daemon's working directory
+    keep_days: int = 90
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     upstreams: Mapping[str, UpstreamConfig]
@@ -148,6 +156,7 @@ class Config:
     clients: Mapping[str, ClientConfig] = field(default_factory=dict)
     queue: QueueConfig = QueueConfig()
     cluster: ClusterConfig | None = None
+    usage: UsageConfig = UsageConfig()
 
 
 class _Section:
@@ -254,7 +263,7 @@ def parse_config(
 ) -> Config:
     top = _Section(source, "", dict(document))
     top.reject_unknown(
-        {"server", "upstreams", "models", "routes", "auth", "clients", "queue", "cluster"}
+        {"server", "upstreams", "models", "routes", "auth", "clients", "queue", "cluster", "usage"}
     )
     server = _parse_server(_Section(source, "server", top.table.get("server", {})))
     auth = _parse_auth(_Section(source, "auth", top.table.get("auth", {})), environ)
@@ -288,6 +297,7 @@ def parse_config(
     cluster = None
     if "cluster" in top.table:
         cluster = _parse_cluster(_Section(source, "cluster", top.table["cluster"]), server, environ)
+    usage = _parse_usage(_Section(source, "usage", top.table.get("usage", {})))
     return Config(
         server=server,
         upstreams=upstreams,
@@ -297,6 +307,18 @@ def parse_config(
         clients=clients,
         queue=queue,
         cluster=cluster,
+        usage=usage,
+    )
+
+
+def _parse_usage(section: _Section) -> UsageConfig:
+    section.reject_unknown({"database", "keep_days"})
+    database = section.string("database", UsageConfig.database)
+    folder = Path(database).parent
+    if database != ":memory:" and not folder.is_dir():
+        raise section.error("database", f"{folder} is not a directory")
+    return UsageConfig(
+        database=database, keep_days=section.integer("keep_days", UsageConfig.keep_days)
     )
 
 

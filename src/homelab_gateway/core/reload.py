@@ -59,6 +59,8 @@ def config_changes(old: Config, new: Config) -> list[str]:
         # Joining, leaving or moving to another Redis changes who the cap is shared with: a
         # restart, so no slot is counted in two places.
         changes.append("cluster: changed (applies at the next restart)")
+    if old.usage != new.usage:
+        changes.append("usage: changed (applies at the next restart)")
     changes += _table_changes(
         "route",
         {r.prefix: r for r in old.routes},
