@@ -109,6 +109,7 @@ async def run(requests: int, profile: str | None, tokens: int | None, direct: bo
     document = {
         "upstreams": {"fast": {"url": f"http://127.0.0.1:{stub.getHost().port}/v1", "slots": 8}},
         "models": {"fast": {"upstream": "fast"}},
+        "usage": {"database": ":memory:"},  # no file in the checkout
     }
     gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
     listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1")

@@ -214,6 +214,7 @@ def measure(n: int, top: int, padding: int, messages: int) -> None:
         },
         "models": {"queue": {"upstream": "queue"}},
         "server": {"max_body_bytes": 64 * 1024 * 1024, "request_timeout": 3600},
+        "usage": {"database": ":memory:"},  # no file in the checkout
     }
     gateway = Gateway(parse_config(document, source="<bench>", environ={}), reactor)
     listening = reactor.listenTCP(0, gateway.site, interface="127.0.0.1", backlog=4096)

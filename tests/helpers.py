@@ -109,6 +109,8 @@ class Servers:
 
     def start_gateway(self, document: dict[str, Any], environ: dict[str, str] | None = None) -> str:
         environ = {"TEST_KEY": "sekrit", **(environ or {})}
+        # The usage ledger in memory: a test writes no file into the checkout.
+        document = {"usage": {"database": ":memory:"}, **document}
         config: Config = parse_config(document, source="<test>", environ=environ)
         self.gateway = Gateway(config, reactor)
         port = self.listen(self.gateway.site)
@@ -144,6 +146,7 @@ def gateway_document(
         "upstreams": {"vllm": {"url": stub_url, "slots": slots, **(upstream or {})}},
         "models": {"reasoning": {"upstream": "vllm", **(model or {})}},
         "routes": routes if routes is not None else [{"prefix": "/openai/", "upstream": "vllm"}],
+        "usage": {"database": ":memory:"},  # as `Servers.start_gateway` gives any other document
     }
 
 

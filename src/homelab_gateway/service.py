@@ -40,6 +40,7 @@ from homelab_gateway.config import (
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.core.replicas import DOWN
+from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
@@ -89,7 +90,9 @@ class Gateway:
         self.cluster = Cluster(config.cluster, reactor) if config.cluster is not None else None
         self._sync_pools(None, config)
         self.models.update(config.models)
-        self.telemetry = Telemetry(reactor, self.pools, self.cluster)
+        usage = config.usage  # read at start only
+        self.ledger = Ledger(usage.database, usage.keep_days, reactor, reactor=reactor)
+        self.telemetry = Telemetry(reactor, self.pools, self.cluster, self.ledger)
         self.inflight = InFlight(reactor, self.telemetry)
         self.readiness = Readiness(
             self.pools, reactor, config.server.probe_interval, models=self.models
@@ -105,6 +108,7 @@ class Gateway:
             telemetry=self.telemetry,
             readiness=self.readiness,
             cluster=self.cluster,
+            ledger=self.ledger,
         )
         self._configure_status_page(config)
         self.site = GatewaySite(self.app.app.resource(), self._limits(config), reactor=reactor)
@@ -267,6 +271,7 @@ class Gateway:
     def start(self) -> None:
         self._started = True
         self.readiness.start()
+        self.ledger.start()
         if self.cluster is not None:
             self.cluster.start()
 
@@ -333,6 +338,7 @@ class Gateway:
         for line in self._lines():
             line.close()
         await self.http_pool.closeCachedConnections()
+        await self.ledger.stop()  # last: every request has finished, its usage is pending
 
 
 def _line_settings(config: Config) -> dict[str, Any]:

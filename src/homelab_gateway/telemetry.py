@@ -2,9 +2,9 @@
 
 Handlers fill one `RequestRecord` as the request moves (model, queue wait, first token, tokens,
 stop reason, outcome) and `Telemetry.finish` turns it into counters, histograms and a single
-`twisted.logger` event. The slot and queue gauges are read from the limiters when scraped, so
-no code has to keep a second count in step with them. Prompt and completion text never reach a
-record, nor does any key.
+`twisted.logger` event, and hands it to the usage ledger. The slot and queue gauges are read
+from the limiters when scraped, so no code has to keep a second count in step with them.
+Prompt and completion text never reach a record, nor does any key.
 
 A client chooses the model name and the path, so neither may shape what is kept: metric labels
 carry only configured model names (any other becomes `unknown`: a label set that grows with
@@ -30,6 +30,7 @@ from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP
 
 if TYPE_CHECKING:
+    from homelab_gateway.ledger import Ledger
     from homelab_gateway.line.pool import Pool
 
 WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -118,8 +119,15 @@ class Telemetry:
     moment each ended. Both are kept in O(1) per request whether or not a page is open;
     `on_change`, if set, is told of every start and finish (the page's push)."""
 
-    def __init__(self, clock: IReactorTime, pools: Mapping[str, Pool], cluster: Any = None) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        pools: Mapping[str, Pool],
+        cluster: Any = None,
+        ledger: Ledger | None = None,
+    ) -> None:
         self.clock = clock
+        self.ledger = ledger  # where each finished request's usage is kept
         self.active: dict[int, RequestRecord] = {}
         self.recent: deque[tuple[RequestRecord, float]] = deque(maxlen=RECENT)
         self.on_change: Callable[[], None] | None = None
@@ -236,6 +244,8 @@ class Telemetry:
             child(self.output_tokens, record.upstream, model_label).inc(record.output_tokens)
         if record.upstream_cancelled:
             child(self.cancellations, record.upstream).inc()
+        if self.ledger is not None:
+            self.ledger.add(record)
         method, path = loggable(record.method), loggable(record.path)
         model = loggable(record.model) if record.model else None
         stop_reason = loggable(record.stop_reason) if record.stop_reason else record.stop_reason

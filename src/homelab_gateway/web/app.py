@@ -26,6 +26,8 @@ from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError, internal_error
 from homelab_gateway.core.mapping import find_model
 from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.usage import InvalidQuery, parse_query, render_csv
+from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.messages import Messages
@@ -68,6 +70,7 @@ class GatewayApp:
         inflight: InFlight,
         telemetry: Telemetry,
         readiness: Readiness,
+        ledger: Ledger,
         cluster: Cluster | None = None,
     ) -> None:
         self.models = models
@@ -81,6 +84,7 @@ class GatewayApp:
         self.cluster = cluster
         self.telemetry = telemetry
         self.readiness = readiness
+        self.ledger = ledger
         self.metrics_resource = MetricsResource(telemetry.registry)
         self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
 
@@ -262,6 +266,23 @@ class GatewayApp:
         if stop is not None:
             return stop
         return send_json(request, 200, self.status_document())
+
+    @app.route("/llm/v1/usage", methods=["GET", "OPTIONS"])
+    async def usage(self, request: IRequest) -> bytes:
+        """Who used what (`ledger.Ledger`), grouped as asked, as JSON or CSV."""
+        stop = self._light(request, protected=self.access.protect_metrics)
+        if stop is not None:
+            return stop
+        try:
+            query = parse_query(request.args)
+        except InvalidQuery as e:
+            return send_error(request, GatewayError(400, str(e), param=e.param))
+        rows = await self.ledger.rows(query)
+        if query.format == "csv":
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", b"text/csv; charset=utf-8")
+            return render_csv(rows, query.by)
+        return send_json(request, 200, {"rows": rows})
 
     def status_document(self) -> dict[str, Any]:
         """What `/llm/v1/status` says; the status page shows the same, with more."""

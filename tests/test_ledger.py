@@ -1,0 +1,139 @@
+"""The usage ledger on a real SQLite file: batched writes on a `Clock`, queries that see every
+finished request, restarts that keep the sums, retention."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.usage import UsageQuery
+from homelab_gateway.ledger import DAY, Ledger
+
+NOON = 1_796_212_800  # 2026-12-02T12:00:00Z
+
+
+def record(**fields: Any) -> RequestRecord:
+    defaults: dict[str, Any] = {
+        "served_model": "reasoning",
+        "client": "alice",
+        "input_tokens": 100,
+        "output_tokens": 20,
+        "cached_tokens": 64,
+        "slot_seconds": 1.5,
+        "queue_wait": 0.5,
+    }
+    return RequestRecord(
+        request_id="req_1", surface="messages", started=0.0, **{**defaults, **fields}
+    )
+
+
+class LedgerTest(TestCase):
+    def setUp(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="hg-ledger-"))
+        self.addCleanup(shutil.rmtree, self.path)
+        self.database = str(self.path / "usage.sqlite3")
+        self.clock = Clock()
+        self.clock.advance(NOON + 60)
+
+    def ledger(self, keep_days: int = 90) -> Ledger:
+        ledger = Ledger(self.database, keep_days, self.clock)
+        self.addCleanup(ledger.stop)
+        return ledger
+
+    async def written(self, ledger: Ledger) -> list[tuple[Any, ...]]:
+        """The table's rows, read on the ledger's one thread: after every write asked before."""
+        rows: list[tuple[Any, ...]] = await ledger._pool().runQuery(
+            "SELECT client, model, surface, hour, outcome, requests, input_tokens FROM usage"
+        )
+        return rows
+
+    async def test_requests_are_written_together_once_a_second(self) -> None:
+        ledger = self.ledger()
+        ledger.start()
+        ledger.add(record())
+        ledger.add(record(outcome="client_gone"))
+        ledger.add(record())
+        self.assertEqual(await self.written(ledger), [])
+        self.clock.advance(1)
+        self.assertEqual(ledger.pending, {})
+        self.assertEqual(
+            sorted(await self.written(ledger)),
+            [
+                ("alice", "reasoning", "messages", NOON, "client_gone", 1, 100),
+                ("alice", "reasoning", "messages", NOON, "completed", 2, 200),
+            ],
+        )
+
+    async def test_a_query_sees_the_request_that_just_finished(self) -> None:
+        ledger = self.ledger()
+        ledger.add(record())
+        ledger.add(record(client="bob", input_tokens=7, output_tokens=3, cached_tokens=0))
+        rows = await ledger.rows(UsageQuery(by=("client", "hour")))
+        self.assertEqual(
+            rows,
+            [
+                {
+                    "client": "alice",
+                    "hour": "2026-12-02T12:00:00Z",
+                    "requests": 1,
+                    "input_tokens": 100,
+                    "output_tokens": 20,
+                    "cached_tokens": 64,
+                    "slot_seconds": 1.5,
+                    "wait_seconds": 0.5,
+                },
+                {
+                    "client": "bob",
+                    "hour": "2026-12-02T12:00:00Z",
+                    "requests": 1,
+                    "input_tokens": 7,
+                    "output_tokens": 3,
+                    "cached_tokens": 0,
+                    "slot_seconds": 1.5,
+                    "wait_seconds": 0.5,
+                },
+            ],
+        )
+        alone = await ledger.rows(UsageQuery(client="bob", since=NOON + 3600, by=("model",)))
+        self.assertEqual(alone, [])
+
+    async def test_the_sums_survive_a_restart_and_keep_adding_up(self) -> None:
+        first = self.ledger()
+        first.add(record())
+        await first.stop()
+        again = self.ledger()
+        again.add(record(input_tokens=1))
+        self.clock.advance(3600)  # another hour, another row
+        again.add(record(input_tokens=1))
+        rows = await again.rows(UsageQuery(by=("hour",)))
+        self.assertEqual([(r["requests"], r["input_tokens"]) for r in rows], [(2, 101), (1, 1)])
+
+    async def test_hours_older_than_keep_days_go_at_start(self) -> None:
+        first = self.ledger(keep_days=2)
+        first.add(record())
+        self.clock.advance(DAY)
+        first.add(record(client="recent"))
+        await first.stop()
+        self.clock.advance(DAY + 3600)
+        again = self.ledger(keep_days=2)
+        again.start()
+        rows = await again.rows(UsageQuery())
+        self.assertEqual([row["client"] for row in rows], ["recent"])
+
+    async def test_a_write_that_fails_keeps_its_buckets_for_the_next(self) -> None:
+        ledger = Ledger(str(self.path / "missing" / "usage.sqlite3"), 90, self.clock)
+        ledger.add(record())
+        await ledger.flush()
+        self.assertEqual(len(self.flushLoggedErrors(sqlite3.OperationalError)), 1)
+        self.assertEqual(sum(sums[0] for sums in ledger.pending.values()), 1)
+        (self.path / "missing").mkdir()
+        await ledger.stop()
+        with sqlite3.connect(self.path / "missing" / "usage.sqlite3") as connection:
+            self.assertEqual(connection.execute("SELECT requests FROM usage").fetchall(), [(1,)])

@@ -1,0 +1,79 @@
+"""`GET /llm/v1/usage` on the real gateway and stub in-process: protected like /metrics, JSON
+and CSV, a bad parameter named in its 400."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from twisted.trial.unittest import TestCase
+
+from homelab_gateway.config import auth_key_name
+from tests.helpers import RawResponse, Servers, chat, gateway_document, raw_request
+from tests.surfaces.test_proxy import async_test
+
+KEY = "usage-key"
+
+
+class UsageEndpoint(TestCase):
+    def start(self, **document: Any) -> None:
+        self.servers = Servers(self)
+        stub_url, _, _ = self.servers.stub(prompt_tokens_details=True)
+        self.servers.start_gateway(
+            {**gateway_document(stub_url), **document}, environ={"GATEWAY_KEYS": KEY}
+        )
+        self.port = self.servers.gateway_port
+
+    async def get(self, path: str, **headers: str) -> RawResponse:
+        response = raw_request(self.port, "GET", path, headers=headers)
+        await response.closed
+        return response
+
+    @async_test
+    async def test_protected_like_metrics_and_it_counts_the_request_just_answered(self) -> None:
+        self.start(auth={"api_keys_env": "GATEWAY_KEYS", "protect_metrics": True})
+        self.assertEqual((await self.get("/llm/v1/usage")).status, 401)
+        told = {"input_tokens": 0, "output_tokens": 0, "cached_tokens": 0}
+        for _ in range(2):  # the same long prompt again: the stub's prefix cache reads it
+            body = chat(content="a long prompt " * 40, stream=False)
+            answer = raw_request(self.port, "POST", "/llm/v1/messages", body, {"x-api-key": KEY})
+            await answer.closed
+            usage = json.loads(answer.body_text())["usage"]
+            told["input_tokens"] += (
+                usage["input_tokens"]
+                + usage["cache_creation_input_tokens"]
+                + usage["cache_read_input_tokens"]
+            )
+            told["output_tokens"] += usage["output_tokens"]
+            told["cached_tokens"] += usage["cache_read_input_tokens"]
+        self.assertGreater(told["cached_tokens"], 0)
+        response = await self.get("/llm/v1/usage?by=client,model,surface", **{"x-api-key": KEY})
+        self.assertEqual(response.status, 200, response.body_text())
+        self.assertEqual(response.header("content-type"), "application/json")
+        (row,) = json.loads(response.body_text())["rows"]
+        self.assertEqual(
+            {k: row[k] for k in ("client", "model", "surface", "requests", *told)},
+            {
+                "client": auth_key_name(KEY),
+                "model": "reasoning",
+                "surface": "messages",
+                "requests": 2,
+                **told,
+            },
+        )
+
+    @async_test
+    async def test_csv_and_a_bad_parameter(self) -> None:
+        self.start()
+        response = await self.get("/llm/v1/usage?format=csv&by=hour,model")
+        self.assertEqual(response.status, 200)
+        self.assertEqual(response.header("content-type"), "text/csv; charset=utf-8")
+        header, *rows = csv.reader(io.StringIO(response.body_text()))
+        self.assertEqual(header[:3], ["model", "hour", "requests"])
+        self.assertEqual(rows, [])
+        refused = await self.get("/llm/v1/usage?by=outcome")
+        self.assertEqual(refused.status, 400)
+        error = json.loads(refused.body_text())["error"]
+        self.assertTrue(error["message"].startswith("by: "), error)
