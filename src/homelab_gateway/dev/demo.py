@@ -59,6 +59,8 @@ def demo_setup(reactor: Any) -> tuple[Callable[[Mapping[str, str]], Config], dic
                 "qwen2.5:3b-instruct": {"upstream": "ollama"},
             },
             "routes": [{"prefix": "/openai/", "upstream": "vllm"}],
+            # The demo's usage is its stubs': shown by /llm/v1/usage, never left in a file.
+            "usage": {"database": ":memory:"},
         }
         return parse_config(document, source="<demo>", environ={})
 
