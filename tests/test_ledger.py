@@ -129,11 +129,14 @@ class LedgerTest(TestCase):
 
     async def test_a_write_that_fails_keeps_its_buckets_for_the_next(self) -> None:
         ledger = Ledger(str(self.path / "missing" / "usage.sqlite3"), 90, self.clock)
+        self.addCleanup(ledger.stop)
         ledger.add(record())
         await ledger.flush()
-        self.assertEqual(len(self.flushLoggedErrors(sqlite3.OperationalError)), 1)
-        self.assertEqual(sum(sums[0] for sums in ledger.pending.values()), 1)
+        ledger.add(record())
+        await ledger.flush()
+        self.assertEqual(len(self.flushLoggedErrors(sqlite3.OperationalError)), 1, "said once")
+        self.assertEqual(sum(sums[0] for sums in ledger.pending.values()), 2)
         (self.path / "missing").mkdir()
         await ledger.stop()
         with sqlite3.connect(self.path / "missing" / "usage.sqlite3") as connection:
-            self.assertEqual(connection.execute("SELECT requests FROM usage").fetchall(), [(1,)])
+            self.assertEqual(connection.execute("SELECT requests FROM usage").fetchall(), [(2,)])

@@ -101,6 +101,7 @@ class Ledger:
         self.clock = clock
         self.pending: Buckets = {}
         self._closed = False
+        self._failing = False  # the last write failed (and said so)
         self._reactor = reactor
         self._connections: adbapi.ConnectionPool | None = None
         self._flushing = LoopingCall(self.flush)
@@ -140,15 +141,22 @@ class Ledger:
             return succeed(None)
         pending, self.pending = self.pending, {}
         written: Deferred[None] = self._pool().runInteraction(_write, pending)
-        return written.addErrback(self._unwritten, pending)
+        return written.addCallbacks(self._written, self._unwritten, errbackArgs=(pending,))
+
+    def _written(self, _: None) -> None:
+        if self._failing:
+            self._failing = False
+            log.info("usage ledger: writing to {database} again", database=self.database)
 
     def _unwritten(self, failure: Failure, pending: Buckets) -> None:
-        log.failure(
-            "usage ledger: cannot write to {database}; {n} buckets kept to try again",
-            failure,
-            database=self.database,
-            n=len(pending),
-        )
+        """Keep the buckets for the next write; say so once, not once a second."""
+        if not self._failing:
+            self._failing = True
+            log.failure(
+                "usage ledger: cannot write to {database}; its buckets are kept to try again",
+                failure,
+                database=self.database,
+            )
         for key, sums in pending.items():
             add(self.pending, key, sums)
 
