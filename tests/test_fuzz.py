@@ -137,7 +137,7 @@ def valid_base(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, suppress_health_check=[HealthCheck.too_slow])
 @given(request_bodies.map(valid_base))
 def test_mapping_only_ever_raises_invalid_request(body: dict[str, Any]) -> None:
     model = ModelConfig(

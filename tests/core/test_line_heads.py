@@ -197,7 +197,7 @@ class HeadsAreTheWalksHeads(TestCase):
         for seed, aging in [(1, None), (2, 120.0), (3, 0.5)]:
             rnd = random.Random(seed)
             checked = Checked(self, aging, {f"c{i}": 1 + i % 3 for i in range(0, 300, 7)})
-            for _ in range(1500):
+            for _ in range(900):
                 roll = rnd.random()
                 if roll < 0.45:
                     step: tuple[Any, ...] = ("join", f"c{rnd.randrange(300)}", rnd.randrange(3))

@@ -479,7 +479,7 @@ class LimiterProperties(TestCase):
         sim = Sim(slots, aging=None, weights={"a": weights[0], "b": weights[1]})
         hold = {"a": holds[0], "b": holds[1]}
         n = 0
-        while sim.clock.seconds() < 300:
+        while sim.clock.seconds() < 200:
             for client in "ab":
                 while sum(1 for i in sim.pending if sim.joined[i][0] == client) < 3:
                     sim.arrive(n, client, NORMAL, hold[client])

@@ -135,7 +135,7 @@ def test_a_body_cut_short_is_data_loss_either_way(
     assert decode(reads, take_over_at, end=True)[2] is True
 
 
-@settings(max_examples=1000)
+@settings(max_examples=400)
 @given(chunked_bodies(), st.data())
 def test_a_damaged_body_fails_where_twisted_fails(
     body: tuple[list[bytes], bytes], data: st.DataObject
