@@ -186,6 +186,8 @@ class Ledger:
         for call in (self._flushing, self._trimming):
             if call.running:
                 call.stop()
-        await self.flush()
+        # A database in memory that was never opened has nobody to keep its rows for.
+        if self.database != MEMORY or self._connections is not None:
+            await self.flush()
         if self._connections is not None:
             self._connections.close()

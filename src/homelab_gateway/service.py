@@ -337,8 +337,10 @@ class Gateway:
             await self.cluster.stop()
         for line in self._lines():
             line.close()
+        # Every request has finished: its usage is pending. Before the cached connections go,
+        # which must be last: a connection put back while the ledger writes would keep a timer.
+        await self.ledger.stop()
         await self.http_pool.closeCachedConnections()
-        await self.ledger.stop()  # last: every request has finished, its usage is pending
 
 
 def _line_settings(config: Config) -> dict[str, Any]:
