@@ -69,6 +69,13 @@ class UpstreamPool(HTTPConnectionPool):
     def __init__(self, reactor: Any, persistent: bool = True) -> None:
         super().__init__(reactor, persistent)
         self._asks: dict[Any, _Asks] = {}
+        self._closed = False
+
+    def closeCachedConnections(self) -> Deferred[None]:
+        """Close the idle connections, and from now on each one an answer gives back: a body
+        that ends after the gateway closed would otherwise be kept, with its idle timer."""
+        self._closed = True
+        return super().closeCachedConnections()
 
     def getConnection(self, key: Any, endpoint: Any) -> Deferred[Any]:
         asks = self._asks.get(key)
@@ -86,6 +93,9 @@ class UpstreamPool(HTTPConnectionPool):
         transport = connection.transport
         if transport is None or getattr(transport, "disconnecting", False):
             return  # already closing: its connectionLost takes it out of every list
+        if self._closed:
+            transport.loseConnection()
+            return
         super()._putConnection(key, connection)
         asks = self._asks.get(key)
         if asks is not None and asks.waiting and asks.serving is None:
