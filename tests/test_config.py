@@ -237,6 +237,8 @@ max_waiting = 16
 [clients.scripts]
 key_sha256 = "%s"
 priority = "batch"
+max_in_flight = 2
+tokens_per_day = 200_000
 
 [queue]
 aging = 90
@@ -254,6 +256,8 @@ def test_the_fair_line_keys_parse() -> None:
     assert (frontend.priority, frontend.weight, frontend.max_waiting) == ("interactive", 2.0, 16)
     assert scripts.key_sha256 == bytes.fromhex(digest)
     assert (scripts.priority, scripts.weight, scripts.max_waiting) == ("batch", 1.0, None)
+    assert (scripts.max_in_flight, scripts.tokens_per_day) == (2, 200_000)
+    assert (frontend.max_in_flight, frontend.tokens_per_day) == (None, None)
 
 
 def test_fair_line_defaults() -> None:
@@ -273,6 +277,8 @@ def test_fair_line_defaults() -> None:
         ("[clients.a]\nkey_env = 'K'\npriority = 'urgent'", "clients.a.priority: must be one of"),
         ("[clients.a]\nkey_env = 'K'\nweight = 0", "clients.a.weight: must be a positive number"),
         ("[clients.a]\nkey_env = 'K'\nmax_waiting = -1", "clients.a.max_waiting: must be an"),
+        ("[clients.a]\nkey_env = 'K'\nmax_in_flight = 0", "clients.a.max_in_flight: must be an"),
+        ("[clients.a]\nkey_env = 'K'\ntokens_per_day = 1.5", "clients.a.tokens_per_day: must be"),
         ("[clients.a]\nkey_env = 'K'\nkey = 'x'", "clients.a.key: unknown key"),
         ('[clients."10.0.0.2"]\nkey_env = "K"', 'clients."10.0.0.2": a client name is'),
         ("[clients.key-1]\nkey_env = 'K'", "clients.key-1: a client name is"),

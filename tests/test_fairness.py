@@ -50,10 +50,11 @@ class FairLine(TestCase):
     slots = 2
     aging = 600.0
     upstream: dict[str, Any] = {}
+    limits: dict[str, dict[str, Any]] = {}  # more settings of some clients
 
     def setUp(self) -> None:
         self.servers = Servers(self)
-        self.log = StartLog()
+        self.log = self.make_log()
         site = stub_site(StubSettings(**self.stub_settings), reactor, self.log)
         self.stub_url = f"http://127.0.0.1:{self.servers.listen(site)}/v1"
         self.echo_port = self.servers.listen(Site(EchoHeaders()))
@@ -72,10 +73,15 @@ class FairLine(TestCase):
                 "max_waiting": 2,
             },
         }
+        for name, settings in self.limits.items():
+            document["clients"][name].update(settings)
         document["queue"] = {"aging": self.aging}
         self.document = document
         self.servers.start_gateway(document, environ=KEYS)
         self.port = self.servers.gateway_port
+
+    def make_log(self) -> StartLog:
+        return StartLog()
 
     @property
     def line(self) -> Any:

@@ -115,6 +115,8 @@ class ClientConfig:
     priority: str = "normal"
     weight: float = 1.0
     max_waiting: int | None = None
+    max_in_flight: int | None = None  # slots of one line held at once
+    tokens_per_day: int | None = None  # input plus output tokens in a rolling 24 hours
 
 
 @dataclass(frozen=True)
@@ -457,7 +459,17 @@ def _parse_clients(section: _Section, environ: Mapping[str, str]) -> dict[str, C
                 "a client name is 1-64 letters, digits, '_', '.', '-', is no IP address (those "
                 "name key-less clients) and does not start with 'key-' (names of [auth] keys)",
             )
-        client.reject_unknown({"key_env", "key_sha256", "priority", "weight", "max_waiting"})
+        client.reject_unknown(
+            {
+                "key_env",
+                "key_sha256",
+                "priority",
+                "weight",
+                "max_waiting",
+                "max_in_flight",
+                "tokens_per_day",
+            }
+        )
         has_env, has_digest = "key_env" in client.table, "key_sha256" in client.table
         if has_env == has_digest:
             raise client.error("", "needs exactly one of 'key_env' or 'key_sha256'")
@@ -489,6 +501,8 @@ def _parse_clients(section: _Section, environ: Mapping[str, str]) -> dict[str, C
             priority=priority,
             weight=float(weight),
             max_waiting=client.integer("max_waiting", None, minimum=0),
+            max_in_flight=client.integer("max_in_flight", None, minimum=1),
+            tokens_per_day=client.integer("tokens_per_day", None, minimum=1),
         )
     return clients
 

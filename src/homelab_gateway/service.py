@@ -40,11 +40,12 @@ from homelab_gateway.config import (
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.core.replicas import DOWN
-from homelab_gateway.ledger import Ledger
+from homelab_gateway.ledger import MEMORY, Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.line.shared import shared_line
+from homelab_gateway.quotas import Local, Quotas, Shared
 from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
@@ -92,7 +93,9 @@ class Gateway:
         self.models.update(config.models)
         usage = config.usage  # read at start only
         self.ledger = Ledger(usage.database, usage.keep_days, reactor, reactor=reactor)
-        self.telemetry = Telemetry(reactor, self.pools, self.cluster, self.ledger)
+        store = Local(reactor) if self.cluster is None else Shared(self.cluster)
+        self.quotas = Quotas(_quotas(config), store)
+        self.telemetry = Telemetry(reactor, self.pools, self.cluster, self.ledger, self.quotas)
         self.inflight = InFlight(reactor, self.telemetry)
         self.readiness = Readiness(
             self.pools, reactor, config.server.probe_interval, models=self.models
@@ -109,6 +112,7 @@ class Gateway:
             readiness=self.readiness,
             cluster=self.cluster,
             ledger=self.ledger,
+            quotas=self.quotas,
         )
         self._configure_status_page(config)
         self.site = GatewaySite(self.app.app.resource(), self._limits(config), reactor=reactor)
@@ -220,6 +224,7 @@ class Gateway:
             upstream_window=self.readiness.context_window,
             retries=config.server.retries,
             on_retry=self.telemetry.retried,
+            quotas=self.quotas,
         )
 
     def _access(self, config: Config) -> AccessPolicy:
@@ -272,6 +277,10 @@ class Gateway:
         self._started = True
         self.readiness.start()
         self.ledger.start()
+        store = self.quotas.store
+        if isinstance(store, Local) and self.quotas.limits and self.ledger.database != MEMORY:
+            seeded = ensureDeferred(store.seed(self.ledger, self.quotas.limits))
+            seeded.addErrback(lambda f: log.failure("tokens_per_day: cannot read the ledger", f))
         if self.cluster is not None:
             self.cluster.start()
 
@@ -287,6 +296,7 @@ class Gateway:
         self._sync_pools(old, config)
         self.models.clear()
         self.models.update(config.models)
+        self.quotas.limits = _quotas(config)
         self.app.proxy = self._proxy(config)
         self.app.messages = self._messages(config)
         self.app.openai = OpenAISurface(self.app.messages)
@@ -350,7 +360,12 @@ def _line_settings(config: Config) -> dict[str, Any]:
         "aging": config.queue.aging,
         "weights": {c.name: c.weight for c in clients},
         "max_waiting": {c.name: c.max_waiting for c in clients if c.max_waiting is not None},
+        "max_in_flight": {c.name: c.max_in_flight for c in clients if c.max_in_flight is not None},
     }
+
+
+def _quotas(config: Config) -> dict[str, int]:
+    return {c.name: c.tokens_per_day for c in config.clients.values() if c.tokens_per_day}
 
 
 def shared_lines(config: Config) -> list[list[str]]:

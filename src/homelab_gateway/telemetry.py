@@ -32,6 +32,7 @@ from homelab_gateway.core.replicas import UP
 if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
     from homelab_gateway.line.pool import Pool
+    from homelab_gateway.quotas import Quotas
 
 WAIT_BUCKETS = (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
@@ -125,9 +126,11 @@ class Telemetry:
         pools: Mapping[str, Pool],
         cluster: Any = None,
         ledger: Ledger | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.clock = clock
         self.ledger = ledger  # where each finished request's usage is kept
+        self.quotas = quotas  # and counted against its client's tokens_per_day
         self.active: dict[int, RequestRecord] = {}
         self.recent: deque[tuple[RequestRecord, float]] = deque(maxlen=RECENT)
         self.on_change: Callable[[], None] | None = None
@@ -246,6 +249,8 @@ class Telemetry:
             child(self.cancellations, record.upstream).inc()
         if self.ledger is not None:
             self.ledger.add(record)
+        if self.quotas is not None:
+            self.quotas.add(record)
         method, path = loggable(record.method), loggable(record.path)
         model = loggable(record.model) if record.model else None
         stop_reason = loggable(record.stop_reason) if record.stop_reason else record.stop_reason

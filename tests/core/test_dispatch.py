@@ -137,3 +137,91 @@ class NextIsTheFirstInOrderThatMayStart(TestCase):
             self.assertLessEqual(start.replica.held, start.replica.usable)
             self.assertNotIn(start.item, dispatch)
             self.assertEqual(len(dispatch), len(order) - 1)
+
+
+class MaxInFlight(TestCase):
+    """A client holding its `max_in_flight` slots of the line is passed over, in place."""
+
+    def test_a_capped_client_waits_behind_others_and_starts_when_alone(self) -> None:
+        (r,) = members = replicas(3)
+        dispatch: Dispatch[str] = Dispatch(members, caps={"batch": 1})
+        first = dispatch.admit("batch", NORMAL, None, 0.0)
+        assert first is not None
+        self.assertIsNone(dispatch.admit("batch", NORMAL, None, 0.0), "its second waits")
+        dispatch.join("b2", "batch", NORMAL, 0.0, None, retry=False)
+        dispatch.join("c1", "chat", NORMAL, 1.0, None, retry=False)
+        self.assertEqual(list(dispatch.order(1.0)), ["c1", "b2"])
+        self.assertFalse(dispatch.is_last("c1", 1.0), "the capped waiter is behind it")
+        start = dispatch.next(1.0)
+        assert start is not None
+        self.assertEqual(start.item, "c1")
+        self.assertIsNone(dispatch.next(1.0), "a slot is free, and only batch waits")
+        self.assertEqual((r.held, dispatch.in_flight), (2, {"batch": 1, "chat": 1}))
+        self.assertTrue(dispatch.unhold(r, "batch"), "its waiter may start now")
+        start = dispatch.next(2.0)
+        assert start is not None
+        self.assertEqual((start.item, dispatch.in_flight["batch"]), ("b2", 1))
+
+    def test_the_grant_that_caps_a_client_says_its_waiters_moved_back(self) -> None:
+        dispatch: Dispatch[str] = Dispatch(replicas(1), caps={"a": 1})
+        dispatch.join("a1", "a", NORMAL, 0.0, None, retry=False)
+        dispatch.join("a2", "a", NORMAL, 0.0, None, retry=False)
+        dispatch.join("b1", "b", NORMAL, 1.0, None, retry=False)
+        start = dispatch.next(1.0)
+        assert start is not None
+        self.assertEqual((start.item, start.moved), ("a1", True))
+        self.assertEqual(list(dispatch.order(1.0)), ["b1", "a2"])
+
+    def test_a_reload_that_lowers_a_cap_revokes_nothing(self) -> None:
+        (r,) = members = replicas(4)
+        dispatch: Dispatch[str] = Dispatch(members, caps={"a": 3})
+        for _ in range(3):
+            self.assertIsNotNone(dispatch.admit("a", NORMAL, None, 0.0))
+        dispatch.configure({"a": 1})
+        self.assertTrue(dispatch.capped("a"))
+        for _ in range(2):
+            dispatch.unhold(r, "a")
+        self.assertTrue(dispatch.capped("a"), "one held, one allowed")
+        dispatch.unhold(r, "a")
+        self.assertFalse(dispatch.capped("a"))
+        self.assertEqual(dispatch.in_flight, {})
+        dispatch.configure({})
+        self.assertIsNotNone(dispatch.admit("a", NORMAL, None, 0.0))
+
+    @settings(max_examples=300)
+    @given(situations(), st.data())
+    def test_next_is_the_first_in_order_whose_client_may_take_a_slot(
+        self,
+        situation: tuple[list[Replica], list[tuple[str, int, int, int, bool]], float],
+        data: Any,
+    ) -> None:
+        members, waiters, now = situation
+        caps = data.draw(st.dictionaries(st.sampled_from("abc"), st.integers(1, 2)))
+        dispatch: Dispatch[int] = Dispatch(members, aging=2.0, caps=caps)
+        for member in members:  # its held slots, each some client's
+            held, member.held = member.held, 0
+            for _ in range(held):
+                dispatch.hold(member, data.draw(st.sampled_from("abc")))
+        for n, (client, rank, among, avoid, retry) in enumerate(waiters):
+            pick = lambda mask: frozenset(m for i, m in enumerate(members) if mask >> i & 1)  # noqa: E731
+            want = dispatch.want(pick(among) or None, pick(avoid), None)
+            dispatch.join(n, client, rank, n * 0.5, want, retry)
+        clients = {n: w[0] for n, w in enumerate(waiters)}
+        while True:
+            order = list(dispatch.order(now))
+            capped = [n for n in order if dispatch.capped(clients[n])]
+            self.assertEqual(order[len(order) - len(capped) :], capped, "capped ones last")
+            may = [
+                n
+                for n in order
+                if not dispatch.capped(clients[n]) and dispatch.open_for(dispatch.want_of(n), now)
+            ]
+            start = dispatch.next(now)
+            if not may:
+                self.assertIsNone(start)
+                break
+            assert start is not None
+            self.assertEqual(start.item, may[0])
+            client = clients[start.item]
+            self.assertLessEqual(dispatch.in_flight[client], caps.get(client, len(waiters) + 9))
+            self.assertEqual(len(dispatch), len(order) - 1)

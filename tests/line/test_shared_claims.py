@@ -257,7 +257,7 @@ class AJoinThatFails(TestCase):
 
         self.cluster.line_call = line_call  # type: ignore[method-assign]
         waiter = self.line.acquire_in_line(session="0" * 32)
-        (w, info, _, _), reply = joins[0]
+        (w, info, *_), reply = joins[0]
         self.source.apply({"op": "join", "t": "1.0", "w": w, "i": info, "a": "1.0"})
         self.source.applied()
         reply.errback(ConnectionError("the reply timed out"))

@@ -222,6 +222,41 @@ class LineContract:
         self.assertEqual(self.granted(waiters), ["w2"])
         self.assertEqual(waiters[1].positions, [1])
 
+    @async_test
+    async def test_a_client_at_its_max_in_flight_is_passed_over_in_place_on_every_gateway(
+        self,
+    ) -> None:
+        lines = await self.line_of(3, 3)
+        for line in lines:
+            line.configure_line(aging=None, weights={}, max_waiting={}, max_in_flight={"a": 1})
+        batch = [Waiter(lines[i % 3], f"a{i}", client="a") for i in range(4)]  # no settling
+        await self.backend.settle()
+        self.assertEqual(len(self.granted(batch)), 1, "two slots are free, a holds its one")
+        others = await self.queue(lines, 2, "b", client="b")
+        self.assertEqual(self.granted(others), ["b0", "b1"])
+        for line in lines:
+            self.assertEqual((line.in_use, len(line.waiting)), (3, 3))
+            self.assertEqual(line.dispatch.in_flight, {"a": 1, "b": 2})
+        late = await self.queue(lines[1:], 1, "c", client="c")
+        self.assertEqual(late[0].positions, [1], "ahead of a's waiters")
+        await wait_for(
+            lambda: sorted(w.positions[-1] for w in batch if w.slot is None) == [2, 3, 4]
+        )
+        for w in others:
+            w.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
+        self.assertEqual(len(self.granted(batch)), 1, "still one of a's, beside c's")
+        self.assertEqual(self.granted(late), ["c0"])
+        order = []
+        for _ in range(4):
+            (held,) = [w for w in batch if w.slot is not None and not w.slot.released]
+            order.append(held.name)
+            held.slot.release()  # type: ignore[union-attr]
+            await self.backend.settle()
+        self.assertEqual(len(set(order)), 4, "each of a's ran, one at a time, alone at the end")
+        for line in lines:
+            self.assertEqual((line.in_use, len(line.waiting)), (1, 0))
+
 
 class InProcessLine(LineContract, TestCase):
     backend_type = InProcess

@@ -2,7 +2,9 @@
 
 `Dispatch` holds one line's waiters: the fair `line.Line`, the retries served before it, and
 what each waiter may take (`Want`). It decides grants on plain values: `next` picks the first
-waiter, in order, that may start on a replica now, takes it out and starts it there. Both
+waiter, in order, that may start on a replica now, takes it out and starts it there. A client
+that holds its `max_in_flight` (`caps`) slots of the line is *capped*: its waiters keep their
+place in the fair order but are passed over, so they count as behind everyone else. Both
 lines drive it: the in-process semaphore at once, the line shared through Redis as it replays
 the stream's events (where Redis, not this object, decides who is granted: `grant` applies
 that). Nothing here holds a timer or a Deferred.
@@ -86,10 +88,14 @@ class Dispatch(Generic[T]):
         *,
         aging: float | None = None,
         weights: Mapping[str, float] = {},
+        caps: Mapping[str, int] = {},
     ) -> None:
         self.members = list(members)
         self.line: Line[T] = Line(aging=aging, weights=weights)
         self.sessions = Sessions()
+        self.caps = dict(caps)  # client -> max_in_flight
+        self.in_flight: dict[str, int] = {}  # slots of the line held, by client
+        self._capped: set[str] = set()  # clients holding their max_in_flight
         self._retries: dict[T, tuple[str, int, float]] = {}  # served before the line, in order
         self._wants: dict[T, Want] = {}
         self._restricted = 0  # waiters in `line` that cannot take every replica's slot
@@ -100,6 +106,56 @@ class Dispatch(Generic[T]):
 
     def __contains__(self, item: object) -> bool:
         return item in self._retries or item in self.line
+
+    def configure(self, caps: Mapping[str, int]) -> None:
+        """New `max_in_flight`s (config reload): a lower one takes effect as slots are
+        released, never by revoking one."""
+        self.caps = dict(caps)
+        self._capped = {c for c, held in self.in_flight.items() if held >= caps.get(c, held + 1)}
+
+    def hold(self, replica: Replica, client: str) -> bool:
+        """`client`'s request holds a slot of `replica`. True if that capped the client while
+        it has waiters: they go back behind everyone else."""
+        replica.held += 1
+        held = self.in_flight[client] = self.in_flight.get(client, 0) + 1
+        if held < self.caps.get(client, held + 1):
+            return False
+        self._capped.add(client)
+        return self._waits(client)
+
+    def unhold(self, replica: Replica, client: str) -> bool:
+        """`client`'s request gave back its slot of `replica`. True if that uncapped the
+        client while it has waiters: one of them may start now."""
+        replica.held -= 1
+        held = self.in_flight.get(client, 0) - 1
+        if held > 0:
+            self.in_flight[client] = held
+        else:
+            self.in_flight.pop(client, None)
+        if client not in self._capped or held >= self.caps.get(client, held + 1):
+            return False
+        self._capped.discard(client)
+        return self._waits(client)
+
+    def capped(self, client: str, pending: int = 0) -> bool:
+        """Whether `client` may take no further slot (with `pending` more on their way)."""
+        if not pending:
+            return client in self._capped
+        cap = self.caps.get(client)
+        return cap is not None and self.in_flight.get(client, 0) + pending >= cap
+
+    def client_of(self, item: T) -> str:
+        retry = self._retries.get(item)
+        return retry[0] if retry is not None else self.line.arrived(item)[0]
+
+    def _waits(self, client: str) -> bool:
+        return bool(self.line.waiting_for(client)) or any(
+            r[0] == client for r in self._retries.values()
+        )
+
+    def _capped_waiting(self) -> bool:
+        """Whether a capped client has waiters: then the order is not the fair line's alone."""
+        return bool(self._capped) and any(self._waits(c) for c in self._capped)
 
     @property
     def plain(self) -> bool:
@@ -138,16 +194,20 @@ class Dispatch(Generic[T]):
         self._turn += 1
         return [best, *sorted((m for m in candidates if m is not best), key=lambda m: -m.free)]
 
-    def started(self, replica: Replica, session: str | None) -> bool:
-        """A request starts on `replica`: its slot is held, its session served there. True if
-        it is the trial of a half-open replica."""
-        replica.held += 1
+    def started(self, replica: Replica, session: str | None, client: str) -> tuple[bool, bool]:
+        """`client`'s request starts on `replica`: its slot is held, its session served there.
+        Whether it is the trial of a half-open replica, and whether it capped its client
+        (`hold`)."""
+        capped = self.hold(replica, client)
         self.sessions.served(session, replica.name)
-        return replica.circuit.begin()
+        return replica.circuit.begin(), capped
 
     def admit(self, client: str, rank: int, want: Want | None, now: float) -> Start[T] | None:
         """A newcomer that may start now on a replica it may take: it skips the line, and its
-        service still counts. None if none is open to it: it must wait."""
+        service still counts. None if none is open to it, or its client is capped: it must
+        wait."""
+        if client in self._capped:
+            return None
         candidates = self.open_for(want, now)
         if not candidates:
             return None
@@ -165,7 +225,8 @@ class Dispatch(Generic[T]):
         session = want.session if want is not None else None
         replica = choose(candidates, self.sessions.get(session), self._turn)
         self._turn += 1
-        return Start(item, want, replica, grant, self.started(replica, session), moved)
+        trial, capped = self.started(replica, session, grant.client)
+        return Start(item, want, replica, grant, trial, moved or capped)
 
     def join(
         self, item: T, client: str, rank: int, arrived: float, want: Want | None, retry: bool
@@ -199,12 +260,15 @@ class Dispatch(Generic[T]):
         there; None if nobody waiting may."""
         if not any(m.open_at(now) for m in self.members):
             return None
-        for item in self._retries:
+        capped = self._capped
+        for item, (client, _, _) in self._retries.items():
+            if client in capped:
+                continue
             want = self._wants.get(item)
             candidates = self.open_for(want, now)
             if candidates:
                 return self._start(item, want, candidates, *self.grant(item, now))
-        if not self._restricted:
+        if not self._restricted and not self._capped_waiting():
             # Everyone may take any replica, so the head of the line gets it.
             granted = self.line.grant(now)
             if granted is None:
@@ -213,6 +277,8 @@ class Dispatch(Generic[T]):
             want = self._wants.pop(item, None)
             return self._start(item, want, self.open_for(want, now), grant, moved)
         for item in self.line.order(now):
+            if capped and self.line.arrived(item)[0] in capped:
+                continue
             want = self._wants.get(item)
             candidates = self.open_for(want, now)
             if candidates:
@@ -235,13 +301,28 @@ class Dispatch(Generic[T]):
         return grant, moved
 
     def order(self, now: float) -> Iterator[T]:
-        """Everyone waiting, in the order they would be served: retries, then the line."""
+        """Everyone waiting, in the order they would be served: retries, then the line; the
+        waiters of capped clients after all others, in that same order."""
         line = self.line.order(now)
-        return chain(self._retries, line) if self._retries else line
+        order = chain(self._retries, line) if self._retries else line
+        return self._capped_last(order) if self._capped_waiting() else order
+
+    def _capped_last(self, order: Iterator[T]) -> Iterator[T]:
+        capped, later = self._capped, []
+        for item in order:
+            if self.client_of(item) in capped:
+                later.append(item)
+            else:
+                yield item
+        yield from later
 
     def is_last(self, item: T, now: float) -> bool:
         """Whether the newcomer `item` is last in `order` (False when unsure)."""
-        return item in self.line and self.line.is_last(item, now)
+        if item not in self.line:
+            return False
+        if self._capped_waiting() and self.line.arrived(item)[0] not in self._capped:
+            return False
+        return self.line.is_last(item, now)
 
     def arrival(self, item: T) -> tuple[str, int, float, bool]:
         """A waiter's client, class, arrival and whether it is a retry: to move it to another

@@ -141,6 +141,9 @@ def build(
         "uptime_s": round(now - started, 1),
         "upstreams": upstreams,
     }
+    clients = status.get("clients")
+    if isinstance(clients, Mapping):  # those with a max_in_flight or a tokens_per_day
+        snapshot["clients"] = dict(clients)
     cluster = status.get("cluster")
     if isinstance(cluster, Mapping):  # lines shared through Redis: this gateway and its link
         snapshot["cluster"] = dict(cluster)

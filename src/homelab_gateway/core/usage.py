@@ -56,11 +56,14 @@ def key_of(record: RequestRecord, at: float) -> Key | None:
 
 
 def sums_of(record: RequestRecord) -> list[float]:
+    """A request's sums; its tokens only if it held a slot (one refused before has only an
+    estimate of its prompt, which no answer told its client)."""
+    ran = record.slot_seconds is not None
     return [
         1,
-        record.input_tokens or 0,
-        record.output_tokens or 0,
-        record.cached_tokens or 0,
+        (record.input_tokens or 0) if ran else 0,
+        (record.output_tokens or 0) if ran else 0,
+        (record.cached_tokens or 0) if ran else 0,
         record.slot_seconds or 0.0,
         record.queue_wait or 0.0,
     ]

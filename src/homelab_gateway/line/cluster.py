@@ -341,6 +341,12 @@ class Cluster:
         keys, head = self._calls[line.key]
         return ensureDeferred(self._eval(script, keys, [*head, *args]))
 
+    def tokens_call(self, script: str, client: str, *args: Any) -> Deferred[Any]:
+        """Run `spend` or `spent` on `client`'s tokens (quotas.py)."""
+        if self._commands is None:
+            return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
+        return ensureDeferred(self._eval(script, [self.key("tokens", client)], list(args)))
+
 
 def _pairs(flat: Sequence[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))

@@ -139,6 +139,7 @@ class PositionedSemaphore(DeferredSemaphore):
         aging: float | None = None,
         weights: Mapping[str, float] = {},
         max_waiting: Mapping[str, int] = {},
+        max_in_flight: Mapping[str, int] = {},
         on_health: HealthListener | None = None,
     ) -> None:
         members = [Replica(ANONYMOUS, tokens)] if isinstance(tokens, int) else list(tokens)
@@ -150,7 +151,9 @@ class PositionedSemaphore(DeferredSemaphore):
         self.report_interval = report_interval
         self.max_waiting = dict(max_waiting)
         self.on_health = on_health
-        self.dispatch: Dispatch[Any] = Dispatch(members, aging=aging, weights=weights)
+        self.dispatch: Dispatch[Any] = Dispatch(
+            members, aging=aging, weights=weights, caps=max_in_flight
+        )
         self.source: Source = InProcess(self)
         self.holds = HoldTimes()
         self.holding: dict[Slot, None] = {}  # granted and not released, oldest first
@@ -210,13 +213,23 @@ class PositionedSemaphore(DeferredSemaphore):
         self.changed()
 
     def configure_line(
-        self, *, aging: float | None, weights: Mapping[str, float], max_waiting: Mapping[str, int]
+        self,
+        *,
+        aging: float | None,
+        weights: Mapping[str, float],
+        max_waiting: Mapping[str, int],
+        max_in_flight: Mapping[str, int] = {},
     ) -> None:
-        """New [queue] aging, client weights and max_waiting (config reload); nobody waiting
-        loses a place, and a client now over its max_waiting keeps the requests it has queued."""
+        """New [queue] aging, client weights, max_waiting and max_in_flight (config reload);
+        nobody waiting loses a place, a client now over its max_waiting keeps the requests it
+        has queued, and one over its max_in_flight the slots it holds."""
         self.line.configure(aging=aging, weights=weights)
+        self.dispatch.configure(max_in_flight)
         self.max_waiting = dict(max_waiting)
         now = self.clock.seconds()
+        if self.waiting:  # a higher max_in_flight may let a waiter start now
+            self.source.grant_free()
+            self.count()
         self.tell_rises(now)
         self.changed()
         if self._aging is not None:  # a shorter period may age someone sooner
@@ -355,12 +368,14 @@ class PositionedSemaphore(DeferredSemaphore):
         """`slot` is free again after `held` seconds: its client's fair share is settled with
         that, and the slot goes to the next waiter of the line its replica is in now."""
         assert slot.replica.held > 0, "release without a held slot"
-        slot.replica.held -= 1
+        uncapped = self.dispatch.unhold(slot.replica, slot.grant.client)
         self.holding.pop(slot, None)
         moved = self.dispatch.line.settle(slot.grant, held)
         line = slot.line()
         line.holds.add(held)
         if line is not self:  # a reload moved the replica: the settle may have moved ours
+            if uncapped:  # and one of its client's waiters here may start now
+                moved = self.source.grant_free() or moved
             if moved:
                 self.tell_rises(now)
             self.changed()
@@ -404,7 +419,9 @@ class PositionedSemaphore(DeferredSemaphore):
     def forget_line(self) -> None:
         """Start afresh: nobody waits, no slot is held (a shared line's copy made anew)."""
         old = self.dispatch
-        self.dispatch = Dispatch(old.members, aging=old.line.aging, weights=old.line.weights)
+        self.dispatch = Dispatch(
+            old.members, aging=old.line.aging, weights=old.line.weights, caps=old.caps
+        )
         self.dispatch.sessions = old.sessions  # where sessions were served is no line's state
         self.waiting = []
         self.holding = {}

@@ -47,8 +47,18 @@ local function idle()
   end
   emit({op = 'idle'})
 end
-local function take(w, info, prefs)
+local function take(w, info, prefs, cap)
   if redis.call('EXISTS', SETTLING) == 1 then return end
+  if cap ~= '' then
+    local client, held = cjson.decode(info).c, 0
+    for i = 1, #MEMBERS do
+      for _, raw in ipairs(redis.call('HVALS', KEYS[4 + i])) do
+        local slot = cjson.decode(raw)
+        if slot.l == LINE and cjson.decode(slot.i).c == client then held = held + 1 end
+      end
+    end
+    if held >= tonumber(cap) then return end
+  end
   for i = 1, #prefs, 2 do
     local key = slots_key(prefs[i])
     if key and redis.call('HLEN', key) < tonumber(prefs[i + 1]) then
@@ -60,12 +70,15 @@ end
 """
 
 # A request arrives: it takes a free slot if nobody waits (the first of its preferred upstreams
-# with room), else it joins the line. ARGV: w, info, arrived ('' for now), prefs (JSON array of
-# upstream name, slot count, ...).
+# with room) and its client holds fewer than its max_in_flight of the line's slots, else it
+# joins the line. ARGV: w, info, arrived ('' for now), prefs (JSON array of upstream name, slot
+# count, ...), the client's max_in_flight ('' for none). A client's slots are counted from the
+# slot hashes, which hold a few dozen entries: no count to keep right through sweeps and
+# restores.
 JOIN = """
 local w, info = ARGV[5], ARGV[6]
 if redis.call('HLEN', WAITING) == 0 then
-  local upstream = take(w, info, cjson.decode(ARGV[8]))
+  local upstream = take(w, info, cjson.decode(ARGV[8]), ARGV[9])
   if upstream then
     emit({op = 'admit', w = w, r = upstream, i = info})
     return upstream
@@ -78,13 +91,14 @@ return false
 """
 
 # A gateway claims a free slot for the waiter its copy of the line says is next. Refused (nil)
-# if the waiter is gone or granted, or none of the preferred upstreams has room. ARGV: w, prefs.
+# if the waiter is gone or granted, none of the preferred upstreams has room, or its client holds
+# its max_in_flight. ARGV: w, prefs, max_in_flight ('' for none).
 GRANT = """
 local w = ARGV[5]
 local entry = redis.call('HGET', WAITING, w)
 if not entry then return false end
 local info = cjson.decode(entry).i
-local upstream = take(w, info, cjson.decode(ARGV[6]))
+local upstream = take(w, info, cjson.decode(ARGV[6]), ARGV[7])
 if not upstream then return false end
 redis.call('HDEL', WAITING, w)
 emit({op = 'grant', w = w, r = upstream, i = info})
@@ -179,6 +193,28 @@ for i = 3, #KEYS do out[#out + 1] = redis.call('HGETALL', KEYS[i]) end
 return out
 """
 
+# A client's tokens, for its tokens_per_day (quotas.py): one hash per client, second -> tokens
+# of the requests that ended in it, by Redis's clock. KEYS: the hash. Seconds past the window
+# (ARGV[2]) are dropped as others are added.
+SPEND = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local window = tonumber(ARGV[2])
+if tonumber(ARGV[1]) > 0 then redis.call('HINCRBY', KEYS[1], clock[1], ARGV[1]) end
+for _, second in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if tonumber(second) + 1 + window <= now then redis.call('HDEL', KEYS[1], second) end
+end
+redis.call('EXPIRE', KEYS[1], math.ceil(window) + 2)
+return 1
+"""
+
+# The buckets of a client's tokens, with Redis's time to judge them by. KEYS: the hash.
+SPENT = """
+local clock = redis.call('TIME')
+return {clock[1] .. '.' .. string.format('%06d', tonumber(clock[2])),
+        redis.call('HGETALL', KEYS[1])}
+"""
+
 LINE_SCRIPTS = {
     "join": JOIN,
     "grant": GRANT,
@@ -188,5 +224,9 @@ LINE_SCRIPTS = {
     "note": NOTE,
     "sweep": SWEEP,
 }
-SOURCES = {name: PRELUDE + body for name, body in LINE_SCRIPTS.items()} | {"snapshot": SNAPSHOT}
+SOURCES = {name: PRELUDE + body for name, body in LINE_SCRIPTS.items()} | {
+    "snapshot": SNAPSHOT,
+    "spend": SPEND,
+    "spent": SPENT,
+}
 SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SOURCES.items()}

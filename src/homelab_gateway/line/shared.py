@@ -180,7 +180,8 @@ class RedisSource:
         # Every argument is made before anything is kept for the waiter: a failure here
         # leaves nothing behind.
         w = self.cluster.new_id()
-        args = (w, _info(request), "" if arrived is None else repr(arrived), _preferences(ranked))
+        arrival = "" if arrived is None else repr(arrived)
+        args = (w, _info(request), arrival, _preferences(ranked), self._cap(request.client))
         self._local[w] = d
         self._ids[d] = w
         self._requests[w] = request
@@ -287,6 +288,22 @@ class RedisSource:
         self._mine[slot.id] = slot
         self._slots[slot.id] = slot
 
+    def _cap(self, client: str) -> str:
+        """`client`'s max_in_flight, as a script reads it: '' for none."""
+        cap = self.line.dispatch.caps.get(client)
+        return "" if cap is None else str(cap)
+
+    def _pending(self) -> dict[str, int]:
+        """Claims on their way, by client: a capped client's next waiter is not claimed for."""
+        dispatch, pending = self.line.dispatch, {}
+        if dispatch.caps:
+            for w in self._claiming:
+                item = self._items.get(w)
+                if item is not None and item in dispatch:
+                    client = dispatch.client_of(item)
+                    pending[client] = pending.get(client, 0) + 1
+        return pending
+
     def _claim(self) -> None:
         line = self.line
         if not self.cluster.live or not line.waiting:
@@ -297,10 +314,14 @@ class RedisSource:
         if spare <= 0:
             return
         dispatch = line.dispatch
+        pending = self._pending()
         # A claim is for the first waiters not yet claimed for: the walk stops after a few.
         for item in dispatch.order(now):
             w = self._ids[item]
             if w in self._claiming:
+                continue
+            client = dispatch.client_of(item)
+            if dispatch.capped(client, pending.get(client, 0)):
                 continue
             want = dispatch.want_of(item)
             candidates = [m for m in dispatch.open_for(want, now) if budget[m] > 0]
@@ -309,8 +330,11 @@ class RedisSource:
             ranked = dispatch.ranked(candidates, want.session if want else None)
             budget[ranked[0]] -= 1
             spare -= 1
+            pending[client] = pending.get(client, 0) + 1
             self._claiming.add(w)
-            self.cluster.line_call(self, "grant", w, _preferences(ranked)).addBoth(self._claimed, w)
+            prefs = _preferences(ranked)
+            call = self.cluster.line_call(self, "grant", w, prefs, self._cap(client))
+            call.addBoth(self._claimed, w)
             if spare <= 0:
                 return
 
@@ -398,11 +422,14 @@ class RedisSource:
                     )
                     d.errback(Unavailable(f"the shared line {self.key} is configured differently"))
             return
-        trial = self.line.dispatch.started(replica, info.get("s"))
+        trial, capped = self.line.dispatch.started(replica, info.get("s"), grant.client)
         slot = Slot(self.line, grant, t, replica, trial, id=w)
         self._slots[w] = slot
         self.line.holding[slot] = None
         self.line.count()
+        if capped:  # its client's waiters went behind everyone else
+            self.line.tell_rises(t)
+            self.line.changed()
         if not self._ours(w):
             return
         self._mine[w] = slot
@@ -431,7 +458,7 @@ class RedisSource:
         """Count `slot` as taken in this copy: learnt whole from Redis, or running here."""
         self._slots[slot.id] = slot
         self.line.holding[slot] = None
-        slot.replica.held += 1
+        self.line.dispatch.hold(slot.replica, slot.grant.client)
 
     def _slot_from(self, w: str, request: str, granted_at: float, replica: Replica) -> Slot:
         """A slot this copy learns from Redis whole (a snapshot, a restore): its request's

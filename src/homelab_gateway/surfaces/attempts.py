@@ -17,6 +17,7 @@ from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import DOWN
 from homelab_gateway.line.limiter import PositionListener, Replica, Slot
 from homelab_gateway.line.pool import Pool, hold_slot
+from homelab_gateway.quotas import Quotas
 
 log = Logger()
 CANCELLED = ("client_disconnected", "shutdown")  # outcomes InFlight sets before it cancels
@@ -46,12 +47,14 @@ class Target:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Retries:
-    """How a surface retries: at most `answered` retries of attempts an upstream answered,
-    and `on_retry(failed upstream, fault, whether the retry may go elsewhere)`."""
+    """How a surface's attempts go: the clients' `quotas`, checked before the first; at most
+    `answered` retries of attempts an upstream answered, and `on_retry(failed upstream,
+    fault, whether the retry may go elsewhere)`."""
 
     clock: IReactorTime
     answered: int = 2
     on_retry: Callable[[str, str, bool], None] = lambda upstream, fault, elsewhere: None
+    quotas: Quotas | None = None
 
 
 async def attempts(
@@ -70,6 +73,8 @@ async def attempts(
     the upstream answered with a 502/503/504 are retried at most `retries.answered` times, and
     only on a replica not tried yet and in rotation.
     """
+    if retries.quotas is not None:
+        await retries.quotas.check(record)
     clock = retries.clock
     avoid: frozenset[Replica] = NO_REPLICAS  # every replica tried: tried last, if at all
     pools = target.pools  # less those that refused it (502/503/504): never again

@@ -52,6 +52,7 @@ from homelab_gateway.core.translator import (
 )
 from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
+from homelab_gateway.quotas import Quotas
 from homelab_gateway.surfaces.attempts import Retries, Target, answerable, attempts
 from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
 from homelab_gateway.web.respond import send_error, send_json
@@ -221,6 +222,7 @@ class Messages:
         upstream_window: Callable[[str, str], int | None] = lambda upstream, model: None,
         retries: int = 2,
         on_retry: Callable[[str, str, bool], None] = lambda upstream, fault, elsewhere: None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -228,7 +230,7 @@ class Messages:
         self.ping_interval = ping_interval
         self.write_stall_timeout = write_stall_timeout
         self.upstream_window = upstream_window
-        self.retries = Retries(clock, retries, on_retry)
+        self.retries = Retries(clock, retries, on_retry, quotas)
 
     def context_window(self, model: ModelConfig) -> int | None:
         """The model's window: what its upstream's /models says (vLLM), else the config's."""

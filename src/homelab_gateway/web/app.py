@@ -30,6 +30,7 @@ from homelab_gateway.core.usage import InvalidQuery, parse_query, render_csv
 from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.pool import Pool
+from homelab_gateway.quotas import Quotas
 from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ReverseProxy
@@ -71,6 +72,7 @@ class GatewayApp:
         telemetry: Telemetry,
         readiness: Readiness,
         ledger: Ledger,
+        quotas: Quotas,
         cluster: Cluster | None = None,
     ) -> None:
         self.models = models
@@ -85,6 +87,7 @@ class GatewayApp:
         self.telemetry = telemetry
         self.readiness = readiness
         self.ledger = ledger
+        self.quotas = quotas
         self.metrics_resource = MetricsResource(telemetry.registry)
         self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
 
@@ -324,6 +327,9 @@ class GatewayApp:
             # Every request being handled (waiting or answered), by the surface it came in on.
             "surfaces": {name: {"in_flight": n} for name, n in sorted(surfaces.items())},
         }
+        clients = self._limited_clients()
+        if clients:
+            document["clients"] = clients
         if self.cluster is not None:
             document["cluster"] = {
                 "instance": self.cluster.instance,
@@ -332,6 +338,19 @@ class GatewayApp:
                 "last_error": self.cluster.last_error,
             }
         return document
+
+    def _limited_clients(self) -> dict[str, dict[str, Any]]:
+        """The clients with a max_in_flight (the slots each line holds for them) or a
+        tokens_per_day (the tokens of theirs in the rolling day)."""
+        clients: dict[str, dict[str, Any]] = {}
+        for line in dict.fromkeys(pool.line for pool in self.pools.values()):
+            dispatch = line.dispatch
+            for client, cap in dispatch.caps.items():
+                entry = clients.setdefault(client, {"max_in_flight": cap, "in_flight": {}})
+                entry["in_flight"][line.name] = dispatch.in_flight.get(client, 0)
+        for client, entry in self.quotas.status().items():
+            clients.setdefault(client, {}).update(entry)
+        return dict(sorted(clients.items()))
 
     @app.route("/status", methods=["GET", "HEAD"])
     def status_page_html(self, request: IRequest) -> bytes:
