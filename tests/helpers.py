@@ -331,7 +331,12 @@ class FakeCluster:
         self.last_error = ""
         self.unsent: dict[Any, Any] = {}
         self.claims: list[tuple[str, bytes, Deferred[Any]]] = []
+        self.dropped: list[str] = []  # why the link was dropped, each time
+        self.in_grace = False
         self._ids = itertools.count(1)
+
+    def drop(self, reason: str) -> None:
+        self.dropped.append(reason)
 
     def add(self, line: Any) -> None:
         """A line registers with its cluster; nothing to keep here."""

@@ -137,6 +137,7 @@ class ClusterConfig:
     instance: str = ""
     lease: float = 10.0  # seconds before a silent gateway's slots and waiters expire
     fallback_share: float = 0.0  # of each upstream's slots, used alone while Redis is away
+    outage_grace: float = 30.0  # seconds Redis may be away before waiters get 529
     prefix: str = "hgw:"
 
 
@@ -330,7 +331,15 @@ def _parse_cluster(
     """`redis_url` as Redis clients spell it: redis://[[user]:password@]host[:port][/db], or
     rediss:// for TLS; the password may come from `password_env` instead of the URL."""
     section.reject_unknown(
-        {"redis_url", "password_env", "instance", "lease", "fallback_share", "prefix"}
+        {
+            "redis_url",
+            "password_env",
+            "instance",
+            "lease",
+            "fallback_share",
+            "outage_grace",
+            "prefix",
+        }
     )
     url = section.string("redis_url", required=True)
     parts = urlsplit(url)
@@ -366,6 +375,7 @@ def _parse_cluster(
         instance=section.string("instance", default_instance(server.listen)),
         lease=section.seconds("lease", ClusterConfig.lease),
         fallback_share=float(share),
+        outage_grace=section.seconds("outage_grace", ClusterConfig.outage_grace),
         prefix=section.string("prefix", ClusterConfig.prefix),
     )
 

@@ -238,15 +238,19 @@ class AJoinThatFails(TestCase):
             self.line.acquire_in_line(session=b"s-1")  # type: ignore[arg-type]
         self.assertEqual(self.kept(), [{}, {}, {}])
 
-    def test_one_whose_join_fails(self) -> None:
+    def test_one_whose_join_fails_waits_on_while_the_link_is_made_anew(self) -> None:
+        """Redis may have run the join or not: the link is dropped, to rebuild the copy from
+        Redis, and the waiter waits on in it meanwhile (`rebuild` finds it there or joins it
+        again with its arrival)."""
         self.cluster.line_call = lambda *args: fail(ConnectionError("gone"))  # type: ignore[method-assign]
         d = self.line.acquire_in_line(session="0" * 32)
-        self.failureResultOf(d, Unavailable)
-        self.assertEqual(self.kept(), [{}, {}, {}])
+        self.assertNoResult(d)
+        self.assertEqual(self.cluster.dropped, ["gone"])
+        self.assertEqual(self.line.waiting, [d])
+        (w,) = self.source._local
+        self.assertEqual((self.source._local[w], self.source._ids[d]), (d, w))
 
-    def test_one_whose_join_ran_but_whose_reply_was_lost(self) -> None:
-        """Redis ran the join, its event is in the copy, then the reply timed out: the waiter
-        leaves as one that gives up does, and the copy stays whole until the leave is back."""
+    def test_one_whose_join_ran_but_whose_reply_was_lost_is_in_the_copy_once(self) -> None:
         joins: list[tuple[tuple[Any, ...], Deferred[Any]]] = []
 
         def line_call(line: Any, script: str, *args: Any) -> Deferred[Any]:
@@ -261,20 +265,17 @@ class AJoinThatFails(TestCase):
         self.source.apply({"op": "join", "t": "1.0", "w": w, "i": info, "a": "1.0"})
         self.source.applied()
         reply.errback(ConnectionError("the reply timed out"))
-        self.failureResultOf(waiter, Unavailable)
-        self.source.applied()  # a claim walks the copy, the waiter still in it
-        self.source.apply({"op": "leave", "t": "1.1", "w": w})
-        self.source.applied()
-        self.assertEqual(self.kept(), [{}, {}, {}])
-        self.assertEqual((self.source._items, self.source._cancelled), ({}, set()))
+        self.assertNoResult(waiter)
+        self.assertEqual(self.cluster.dropped, ["the reply timed out"])
+        self.assertEqual(self.line.waiting, [waiter])
 
-    def test_one_whose_join_never_ran(self) -> None:
-        """Redis answers the leave of a waiter it never had 'unknown': nothing waits for it."""
+    def test_one_whose_join_met_a_bug_leaves_and_hears_why(self) -> None:
         self.cluster.line_call = lambda line, script, *args: (  # type: ignore[method-assign]
-            fail(ConnectionError("gone")) if script == "join" else succeed("unknown")
+            fail(KeyError("a bug")) if script == "join" else succeed("unknown")
         )
         self.failureResultOf(self.line.acquire_in_line(), Unavailable)
-        self.assertEqual(self.source._cancelled, set())
+        self.assertEqual(self.kept(), [{}, {}, {}])
+        self.assertEqual((self.source._cancelled, self.cluster.dropped), (set(), []))
 
 
 class ALinkThatGoesDownMidBatch(TestCase):

@@ -70,7 +70,7 @@ class OverRedis:
     redis: RedisServer
 
     async def start(
-        self, test: TestCase, gateways: int, slots: int, share: float = 0.0
+        self, test: TestCase, gateways: int, slots: int, share: float = 0.0, grace: float = 30.0
     ) -> list[PositionedSemaphore]:
         self.redis = RedisServer()
         self.redis.start()
@@ -79,11 +79,13 @@ class OverRedis:
         self.clusters: list[Cluster] = []
         lines: list[PositionedSemaphore] = []
         for n in range(gateways):
-            lines.append(self.gateway(test, f"gw{n}", slots, share))
+            lines.append(self.gateway(test, f"gw{n}", slots, share, grace))
         await wait_for(lambda: all(c.live for c in self.clusters), what="every gateway linked")
         return lines
 
-    def gateway(self, test: TestCase, name: str, slots: int, share: float) -> PositionedSemaphore:
+    def gateway(
+        self, test: TestCase, name: str, slots: int, share: float, grace: float = 30.0
+    ) -> PositionedSemaphore:
         config = ClusterConfig(
             host="127.0.0.1",
             port=self.redis.port,
@@ -91,6 +93,7 @@ class OverRedis:
             lease=LEASE,
             prefix=self.prefix,
             fallback_share=share,
+            outage_grace=grace,
         )
         cluster = Cluster(config, reactor)
         line = shared_line(
@@ -273,7 +276,7 @@ def cut_off(cluster: Cluster) -> None:
     if cluster._renewal is not None and cluster._renewal.running:
         cluster._renewal.stop()
     for connection in (cluster._reader, cluster._commands):
-        for protocol in connection._factory.pool:
+        for protocol in connection.connection._factory.pool:
             protocol.transport.abortConnection()
 
 
@@ -312,7 +315,7 @@ class SharedOnly(TestCase):
         self.assertLess(reactor.seconds() - started, LEASE)
 
     @async_test
-    async def test_redis_away_refuses_new_work_keeps_running_slots_and_recovers_empty(
+    async def test_redis_away_keeps_every_place_and_restarted_empty_serves_them_in_order(
         self,
     ) -> None:
         a, b = await self.backend.start(self, 2, 2)
@@ -325,36 +328,65 @@ class SharedOnly(TestCase):
         self.assertEqual(waiting.positions, [1])
         other.slot.release()  # type: ignore[union-attr]
         await self.backend.settle()
-        late = Waiter(a, "late")
+        late = Waiter(a, "late", client="x")
         await self.backend.settle()
         self.assertEqual(late.positions, [1])
 
         self.backend.redis.stop()
         await wait_for(lambda: not any(c.live for c in self.backend.clusters), what="lost")
-        self.assertIsInstance(late.error, Unavailable)
-        self.assertIsNotNone(running.slot)
+        self.assertIsNone(late.error)
         self.assertFalse(running.slot.released)  # type: ignore[union-attr]
-        with self.assertRaises(Unavailable):
-            a.acquire_in_line(client="c")
-        self.assertEqual((a.in_use, b.in_use), (1, 1))  # each copy: its own running slots
+        after = Waiter(b, "after", client="y")  # joins behind, told its place
+        self.assertEqual((late.positions[-1], after.positions), (1, [2]))
+        self.assertEqual((a.in_use, b.in_use), (2, 2), "each copy as it was: nothing granted")
 
         self.backend.redis.start()  # on the same port, with none of its data
         await wait_for(lambda: all(c.live for c in self.backend.clusters), what="relinked")
         await self.backend.settle()
         self.assertEqual((a.in_use, b.in_use), (2, 2))  # both counted again, by everyone
-        newcomer = Waiter(a, "newcomer")
-        await self.backend.settle()
-        self.assertEqual(newcomer.positions, [1])
+        for line in (a, b):
+            self.assertEqual(len(line.waiting), 2, "both joined again")
         running.slot.release()  # type: ignore[union-attr]
         # No grant until every gateway could count its running requests again (SETTLE).
-        await wait_for(lambda: newcomer.slot is not None, timeout=SETTLE + PATIENCE)
-        for w in (waiting, newcomer):
+        await wait_for(lambda: late.slot is not None, timeout=SETTLE + PATIENCE)
+        self.assertIsNone(after.slot, "the first to arrive goes first")
+        await wait_for(lambda: after.positions[-1] == 1, what="after to be told it is next")
+        waiting.slot.release()  # type: ignore[union-attr]
+        await wait_for(lambda: after.slot is not None)
+        for w in (late, after):
             w.slot.release()  # type: ignore[union-attr]
         await self.backend.settle()
         self.assertEqual((a.in_use, b.in_use), (0, 0))
         for name in ("vllm",):
             key = f"{self.backend.prefix}upstream:{name}:slots"
             self.assertEqual(await self.backend.clusters[0]._commands.hlen(key), 0)
+
+    @async_test
+    async def test_past_the_outage_grace_waiters_get_529_and_new_requests_at_once(
+        self,
+    ) -> None:
+        (a,) = await self.backend.start(self, 1, 1, grace=0.5)
+        running = Waiter(a, "running")
+        await self.backend.settle()
+        waiting = Waiter(a, "waiting")
+        await self.backend.settle()
+        self.backend.redis.stop()
+        await wait_for(lambda: not self.backend.clusters[0].live, what="lost")
+        self.assertIsNone(waiting.error)
+        Waiter(a, "joins")  # within the grace: it waits too
+        await wait_for(lambda: isinstance(waiting.error, Unavailable), what="the grace to end")
+        self.assertIn("out of reach for 0.5s", str(waiting.error))
+        self.assertEqual(len(a.waiting), 0)
+        with self.assertRaises(Unavailable):
+            a.acquire_in_line(client="c")
+        self.backend.redis.start()
+        await wait_for(lambda: self.backend.clusters[0].live, what="relinked")
+        running.slot.release()  # type: ignore[union-attr]
+        await wait_for(lambda: a.in_use == 0, timeout=SETTLE + PATIENCE)
+        newcomer = Waiter(a, "newcomer")
+        await wait_for(lambda: newcomer.slot is not None, timeout=SETTLE + PATIENCE)
+        newcomer.slot.release()  # type: ignore[union-attr]
+        await self.backend.settle()
 
     @async_test
     async def test_a_fallback_share_keeps_each_gateway_serving_its_part_while_redis_is_away(

@@ -23,11 +23,13 @@ import orjson
 import txredisapi
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, fail
 from twisted.internet.error import ConnectError
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from homelab_gateway.config import ClusterConfig
+from homelab_gateway.core.liveness import Liveness
 from homelab_gateway.line.limiter import Unavailable
 from homelab_gateway.line.scripts import SHAS, SOURCES
 
@@ -39,6 +41,7 @@ STREAM_LENGTH = 100_000
 """Events kept in the stream (about; Redis trims in whole nodes). A gateway that falls further
 behind than this sees a gap in the numbers and rebuilds from a snapshot."""
 READ_BLOCK_MS = 1000  # a blocked read returns at least this often, so a dead link shows
+WATCH_STEP = 0.25  # seconds between the watchdog's turns (`core.liveness`)
 READ_BATCH = 1000
 BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
 SETTLE = BACKOFF[1] + 2.0
@@ -49,6 +52,30 @@ reconnects within its longest back-off, rebuilds and counts its running requests
 LINK_FAILURES = (txredisapi.RedisError, ValueError, OSError, ConnectError, TimeoutError)
 """What a lost or refused link to Redis raises (txredisapi says "could not connect" with a
 ValueError); anything else is a bug, logged with its traceback."""
+
+
+class Watched:
+    """A txredisapi connection whose every command is counted by a `Liveness`."""
+
+    def __init__(self, connection: Any, liveness: Liveness) -> None:
+        self.connection = connection
+        self.liveness = liveness
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.connection, name)
+        if name == "disconnect":
+            return method
+
+        def counted(*args: Any, **kwargs: Any) -> Deferred[Any]:
+            self.liveness.asked()
+            d: Deferred[Any] = method(*args, **kwargs)
+            return d.addBoth(self._answered)
+
+        return counted
+
+    def _answered(self, result: Any) -> Any:
+        self.liveness.answered()
+        return result
 
 
 class Cluster:
@@ -72,6 +99,8 @@ class Cluster:
         self._running = False
         self._commands: Any = None
         self._reader: Any = None
+        self._watchdog: LoopingCall | None = None
+        self._grace: IDelayedCall | None = None  # ends the outage's grace
         self._seq = 0
         self._last_id = "0-0"
         self._epoch: str | None = None
@@ -80,6 +109,11 @@ class Cluster:
         self._pause: Deferred[None] | None = None  # between attempts to reach Redis
         # Releases that could not be sent: sent when Redis is back, before anything else.
         self.unsent: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    @property
+    def in_grace(self) -> bool:
+        """Whether the link is lost since less than `outage_grace`: waiters wait it out."""
+        return self._grace is not None
 
     def key(self, *parts: str) -> str:
         return self.config.prefix + ":".join(parts)
@@ -117,6 +151,7 @@ class Cluster:
             except LINK_FAILURES as e:  # stopping anyway; the lease expires
                 log.warn("could not give back this gateway's share at stop: {e}", e=e)
         self.live = False  # a stop, not a loss: nothing to tell the lines or the log
+        self._end_grace()
         await self._disconnect()
         if self._run is not None:
             await self._run
@@ -156,14 +191,44 @@ class Cluster:
             "connectTimeout": min(5.0, config.lease / 2),
             "ssl_context_factory": optionsForClientTLS(config.host) if config.tls else False,
         }
-        self._commands = await txredisapi.Connection(
-            config.host, config.port, replyTimeout=config.lease / 2, **options
+        # No reply timeout of txredisapi's own: a timer would judge the link by this reactor's
+        # lag as much as by Redis; the watchdog judges it by Redis's answers (`Liveness`).
+        commands = Liveness(config.lease / 2, WATCH_STEP)
+        reader = Liveness(READ_BLOCK_MS / 1000 + config.lease / 2, WATCH_STEP)
+        self._commands = Watched(
+            await txredisapi.Connection(config.host, config.port, **options), commands
         )
-        self._reader = await txredisapi.Connection(
-            config.host, config.port, replyTimeout=READ_BLOCK_MS / 1000 + config.lease, **options
+        self._reader = Watched(
+            await txredisapi.Connection(config.host, config.port, **options), reader
         )
+        self._watchdog = LoopingCall(self._watch, commands, reader)
+        self._watchdog.clock = self.reactor
+        self._watchdog.start(WATCH_STEP)
+
+    def _watch(self, *links: Liveness) -> None:
+        """A turn of the watchdog: a connection whose command Redis left unanswered for its
+        timeout is dropped, and the link with it (its commands fail, the reader's loop ends)."""
+        now = self.reactor.seconds()
+        if any([liveness.tick(now) for liveness in links]):
+            self.drop(f"Redis did not answer for {self.config.lease / 2:g}s")
+
+    def drop(self, reason: str) -> None:
+        """Close the link (the reader's loop ends, and with it the link: `lost`), to connect
+        and rebuild afresh: Redis is silent, or a reply was lost and a copy cannot know what
+        ran."""
+        if self._watchdog is not None and self._watchdog.running:
+            self._watchdog.stop()
+        if self._reader is None:
+            return
+        self.last_error = reason
+        for connection in (self._reader, self._commands):
+            if connection is not None:
+                connection.disconnect()
 
     async def _disconnect(self) -> None:
+        if self._watchdog is not None and self._watchdog.running:
+            self._watchdog.stop()
+        self._watchdog = None
         for connection in (self._reader, self._commands):
             if connection is not None:
                 with suppress(Exception):  # already gone
@@ -180,8 +245,14 @@ class Cluster:
             del self.unsent[(line_key, slot)]
         await self.rebuild()
         self.live = True
+        self._end_grace()
         if self.lost_at is not None:
-            log.info("the shared line at {url} is back", url=self._where())
+            log.info(
+                "the shared line at {url} is back after {seconds:.1f}s: its waiters are in "
+                "their places again",
+                url=self._where(),
+                seconds=self.reactor.seconds() - self.lost_at,
+            )
         self.lost_at = None
         self._renewal = LoopingCall(self._tick)
         self._renewal.clock = self.reactor
@@ -217,13 +288,36 @@ class Cluster:
             return
         self.live = False
         self.lost_at = self.reactor.seconds()
+        grace = self.config.outage_grace
+        self._grace = self.reactor.callLater(grace, self._grace_over)
         log.warn(
-            "lost the shared line at {where} ({error}): new requests get 529 until it is back",
+            "lost the shared line at {where} ({error}): nothing is granted until it is back; "
+            "waiters keep their place for {grace:g}s, then get 529",
             where=self._where(),
             error=self.last_error,
+            grace=grace,
         )
         for line in list(self.lines.values()):
             line.lost()
+
+    def _grace_over(self) -> None:
+        self._grace = None
+        grace = self.config.outage_grace
+        log.warn(
+            "the shared line at {where} has been out of reach for {grace:g}s ({error}): its "
+            "waiters and new requests get 529 until it is back",
+            where=self._where(),
+            grace=grace,
+            error=self.last_error,
+        )
+        reason = Unavailable(f"the shared line was out of reach for {grace:g}s")
+        for line in list(self.lines.values()):
+            line.outage_over(reason)
+
+    def _end_grace(self) -> None:
+        if self._grace is not None and self._grace.active():
+            self._grace.cancel()
+        self._grace = None
 
     async def _check_epoch(self) -> None:
         """Whether Redis lost its data since this gateway last saw it: then no slot is granted

@@ -14,12 +14,15 @@ whoever claims, and a waiter whose gateway is slow or dead is still served in it
 slot given back (`release`), a waiter that gives up (`leave`), a replica's verdict or probe
 (`note`) are events like the others.
 
-While Redis cannot be reached (`lost`) nothing can be granted without risking the cap: this
-gateway's waiters get 529 with retry-after, new requests too, and requests holding a slot run
-to their end; their releases are sent when Redis is back. With a `fallback_share`, the line's
-changes are the in-process source's meanwhile, for that share of each upstream's slots. Then
-`rebuild` makes the copy anew from a snapshot; a running slot Redis no longer knows (it lost
-its data) is counted again.
+While Redis cannot be reached (`lost`) nothing can be granted without risking the cap. For
+`outage_grace` seconds the copy is kept as it was: every waiter keeps its place (and is told
+it), new requests join behind them, requests holding a slot run to their end and their
+releases are sent when Redis is back. Then `rebuild` makes the copy anew from a snapshot, and
+this gateway's waiters that Redis does not have (it lost its data, or their join never ran)
+join again with their first arrival, so the order survives; a running slot Redis no longer
+knows is counted again. Past the grace (`outage_over`) this gateway's waiters get 529, and new
+requests at once. With a `fallback_share`, the line's changes are the in-process source's
+meanwhile, for that share of each upstream's slots, for as long as the outage lasts.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from twisted.python.failure import Failure
 from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import Grant
 from homelab_gateway.core.replicas import UP
-from homelab_gateway.line.cluster import Cluster
+from homelab_gateway.line.cluster import LINK_FAILURES, Cluster
 from homelab_gateway.line.limiter import (
     InProcess,
     PositionedSemaphore,
@@ -160,9 +163,9 @@ class RedisSource:
         """The slot or the place comes back from Redis. Raises Unavailable while Redis cannot
         be reached and there is no fallback share."""
         if not self.cluster.live:
-            if not self.cluster.config.fallback_share:
+            if not (self.cluster.config.fallback_share or self.cluster.in_grace):
                 raise Unavailable(f"the shared line is unreachable: {self.cluster.last_error}")
-            return self.fallback.ask(request)
+            return self.fallback.ask(request)  # waits: nothing is granted but the share
         if not request.retry:
             self.line.refuse_if_full(request.client)
         return self._ask(request)
@@ -190,19 +193,27 @@ class RedisSource:
 
     def _not_asked(self, failure: Failure, w: str) -> None:
         """The join's reply never came: Redis may have run it (its event may even be replayed
-        already) or not. The waiter leaves either way, as one that gives up does, and hears
-        why."""
+        already) or not. A lost link keeps it in the copy, to be found in Redis or to join
+        again when the link is back (`rebuild`); any other failure makes it leave, as one that
+        gives up does, and hear why."""
         d = self._local.get(w)
+        if failure.check(Unavailable, *LINK_FAILURES) and d is not None and not d.called:
+            self.cluster.drop(failure.getErrorMessage())  # the copy cannot know; rebuild it
+            if d not in self.line.dispatch:
+                now = self.clock.seconds()
+                self.line.wait(d, self._requests[w], now, now)
+            return
         self._give_up(w)
         if d is not None and not d.called:
             reason = failure.getErrorMessage()
             d.errback(Unavailable(f"the shared line is unreachable: {reason}"))
 
     def give_up(self, d: Deferred[Slot]) -> None:
-        if d in self.line.dispatch and not self.cluster.live:  # waiting in the fallback share
-            self.fallback.give_up(d)
-            return
         w = self._ids.get(d)
+        if d in self.line.dispatch and not self.cluster.live:  # waiting out an outage
+            self.fallback.give_up(d)
+            if w is None or self._local.get(w) is not d:
+                return
         if w is not None:
             self._give_up(w)
 
@@ -260,8 +271,8 @@ class RedisSource:
 
     def fail_waiting(self, reason: Exception) -> None:
         """This gateway's waiters fail with `reason` (shutdown) and leave the shared line."""
-        if not self.cluster.live:  # those waiting for the fallback share wait here alone
-            self.fallback.fail_waiting(reason)
+        if not self.cluster.live:  # those waiting out an outage wait in the copy
+            self._fail_here(reason)
         for w, d in list(self._local.items()):
             self._give_up(w)
             if not d.called:
@@ -520,12 +531,20 @@ class RedisSource:
         self._slots = {}
 
     def lost(self) -> None:
-        """Redis is out of reach: the copy keeps only this gateway's running requests, which
-        run on. Its waiters get 529, or, with a `fallback_share`, wait on in their order for
-        that share of each upstream's slots, granted here."""
+        """Redis is out of reach: nothing is granted. The copy stays as it was, every waiter
+        in its place, until the link is back or the grace is over; with a `fallback_share`, it
+        keeps only this gateway's running requests and waiters, which wait on in their order
+        for that share of each upstream's slots, granted here."""
         line = self.line
-        now = self.clock.seconds()
         share = self.cluster.config.fallback_share
+        self._replaying = False
+        self._claiming.clear()
+        if not share:
+            for member in line.members:
+                member.share = 0.0
+            line.count()
+            return
+        now = self.clock.seconds()
         staying = [
             self._waiting_entry(d, now) for d in line.dispatch.order(now) if self._waits_here(d)
         ]
@@ -537,7 +556,7 @@ class RedisSource:
             self._add_slot(slot)
         for member in line.members:
             member.share = share
-        for d, request, arrived in staying if share else ():
+        for d, request, arrived in staying:
             line.enqueue(d, request, arrived)
         line.count()
         for d in local.values():
@@ -545,6 +564,29 @@ class RedisSource:
                 d.errback(Unavailable("lost the shared line"))
         self.fallback.grant_free()
         line.tell_all(now)
+
+    def outage_over(self, reason: Exception) -> None:
+        """The outage outlasted the grace: this gateway's waiters hear `reason`, and leave;
+        with a `fallback_share` they wait on for their share of the slots."""
+        if not self.cluster.config.fallback_share:
+            self._fail_here(reason)
+
+    def _fail_here(self, reason: Exception) -> None:
+        """This gateway's waiters in the copy leave it, and hear `reason`."""
+        line = self.line
+        now = self.clock.seconds()
+        leaving = [d for d in line.dispatch.order(now) if not isinstance(d, Remote)]
+        for d in leaving:
+            line.dispatch.leave(d)
+            line.out_of_line(d)
+            w = self._ids.get(d)
+            if w is not None and self._local.get(w) is d:
+                self._give_up(w)
+        line.tell_rises(now)
+        line.changed()
+        for d in leaving:
+            if not d.called:
+                d.errback(reason)
 
     def _waits_here(self, item: Any) -> bool:
         w = self._ids.get(item)
@@ -570,7 +612,11 @@ class RedisSource:
         waited = (
             []
             if self.cluster.live
-            else [self._waiting_entry(d, now) for d in line.dispatch.order(now)]
+            else [
+                self._waiting_entry(d, now)
+                for d in line.dispatch.order(now)
+                if not isinstance(d, Remote)
+            ]
         )
         for member in line.members:
             member.share = None
@@ -604,7 +650,13 @@ class RedisSource:
             if self._ours(w) and w not in self._local:
                 self.cluster.line_call(self, "leave", w).addErrback(_ignore)
             self._on_join({"w": w, "i": entry["i"], "a": entry["a"]}, now)
-        for d, request, arrived in waited:  # waited in the fallback share: back in line
+        for d, request, arrived in waited:  # waited out the outage: back in line, in place
+            if d in line.dispatch:  # Redis had it
+                continue
+            w = self._ids.pop(d, None)
+            if w is not None and self._local.get(w) is d:  # its join never ran, or was lost
+                del self._local[w]
+                self._requests.pop(w, None)
             request.listener = line.listener_of(d)
             self._ask(request, arrived, d)
         line.count()
