@@ -112,7 +112,7 @@ class InRedis(TestCase):
         await wait_for(lambda: all(c.live for c, _ in gateways), what="both linked")
         (one, a), (_, b) = gateways
         a.add(record(client="alice", input_tokens=60, output_tokens=0))
-        await one.tokens_call("spent", "alice")  # after a's spend, on the same connection
+        await one.tokens_call("spent", "alice", WINDOW, 1)  # after a's spend: one connection
         await b.check(record(client="alice"))
         self.assertEqual(b.status()["alice"]["tokens_used"], 60, "b sees a's tokens")
         commands, one._commands = one._commands, None  # a cut off from Redis
@@ -128,3 +128,30 @@ class InRedis(TestCase):
             else:
                 self.fail("the tokens spent while cut off were lost")
         self.assertEqual(a.store.unsent, {})
+
+    async def test_a_long_day_is_read_a_page_at_a_time_and_only_what_must_leave(self) -> None:
+        redis = RedisServer()
+        redis.start()
+        self.addCleanup(redis.close)
+        prefix = f"q{next(_prefixes)}:"
+        cluster = Cluster(
+            ClusterConfig(host="127.0.0.1", port=redis.port, instance="gw", prefix=prefix),
+            reactor,
+        )
+        cluster.start()
+        self.addCleanup(lambda: Deferred.fromCoroutine(cluster.stop()))
+        await wait_for(lambda: cluster.live, what="linked")
+        now = int(float((await cluster._commands.time())[0]))
+        start = now - 1000
+        key = f"{prefix}tokens:bob"
+        await cluster._commands.rpush(key, [f"{start + i}:1" for i in range(250)])
+        await cluster._commands.set(f"{key}:total", 250)
+        quotas = Quotas({"bob": 100}, Shared(cluster))
+        try:
+            await quotas.check(record(client="bob"))
+        except GatewayError as e:
+            wait = start + 150 + 1 + WINDOW - now  # 151 must leave for 99 to stay
+            self.assertLessEqual(abs(e.retry_after - wait), 1, (e.retry_after, wait))
+        else:
+            self.fail("not refused")
+        self.assertEqual(quotas.status()["bob"]["tokens_used"], 250)

@@ -30,14 +30,15 @@ if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
 
 log = Logger()
-Spent = tuple[float, list[tuple[int, int]]]  # now, on the store's clock, and the buckets
 
 
 class Store(Protocol):
     """Where the buckets are kept."""
 
     def spend(self, client: str, tokens: int) -> None: ...
-    def spent(self, client: str) -> Deferred[Spent]: ...
+    def wait(self, client: str, limit: int) -> Deferred[float | None]:
+        """Seconds until `client`'s tokens in the window are below `limit`; None if they are."""
+
     def known(self, client: str) -> int | None:
         """The tokens in the window, as far as known without asking (for the status)."""
 
@@ -52,13 +53,11 @@ class Local:
     def spend(self, client: str, tokens: int) -> None:
         self.tally.add(client, tokens, self.clock.seconds())
 
-    def spent(self, client: str) -> Deferred[Spent]:
-        now = self.clock.seconds()
-        return succeed((now, self.tally.buckets(client, now)))
+    def wait(self, client: str, limit: int) -> Deferred[float | None]:
+        return succeed(self.tally.retry_after(client, limit, self.clock.seconds()))
 
     def known(self, client: str) -> int:
-        now = self.clock.seconds()
-        return quota.used(self.tally.buckets(client, now), now)
+        return self.tally.used(client, self.clock.seconds())
 
     async def seed(self, ledger: Ledger, clients: Mapping[str, int]) -> None:
         """The day's usage from the ledger, hour by hour, before any request is counted."""
@@ -83,26 +82,28 @@ class Shared:
     def spend(self, client: str, tokens: int) -> None:
         self._known[client] = self._known.get(client, 0) + tokens
         tokens += self.unsent.pop(client, 0)
-        sent = self.cluster.tokens_call("spend", client, tokens, quota.WINDOW)
+        sent = self.cluster.tokens_call("spend", client, quota.WINDOW, tokens)
         sent.addErrback(self._unsent, client, tokens)
 
     def _unsent(self, failure: Any, client: str, tokens: int) -> None:
         self.unsent[client] = self.unsent.get(client, 0) + tokens
 
-    def spent(self, client: str) -> Deferred[Spent]:
+    def wait(self, client: str, limit: int) -> Deferred[float | None]:
         for name, tokens in list(self.unsent.items()):  # Redis may be back
             del self.unsent[name]
-            self.cluster.tokens_call("spend", name, tokens, quota.WINDOW).addErrback(
+            self.cluster.tokens_call("spend", name, quota.WINDOW, tokens).addErrback(
                 self._unsent, name, tokens
             )
-        return self.cluster.tokens_call("spent", client).addCallback(self._buckets, client)
+        asked = self.cluster.tokens_call("spent", client, quota.WINDOW, limit)
+        return asked.addCallback(self._waited, client, limit)
 
-    def _buckets(self, reply: list[Any], client: str) -> Spent:
-        now, flat = float(reply[0]), reply[1]
-        pairs = zip(flat[::2], flat[1::2], strict=True)
-        buckets = [(int(second), int(tokens)) for second, tokens in pairs]
-        self._known[client] = quota.used(buckets, now)
-        return now, buckets
+    def _waited(self, reply: list[Any], client: str, limit: int) -> float | None:
+        """The script's answer: Redis's time, the total, and the oldest buckets, as many as
+        must leave for the total to be below `limit`."""
+        now, total, flat = float(reply[0]), int(reply[1]), reply[2]
+        self._known[client] = total
+        oldest = (tuple(map(int, bucket.split(":"))) for bucket in flat)
+        return quota.retry_after(oldest, total, limit, now)  # type: ignore[arg-type]
 
     def known(self, client: str) -> int | None:
         return self._known.get(client)
@@ -130,11 +131,10 @@ class Quotas:
         if limit is None:
             return
         try:
-            now, buckets = await self.store.spent(record.client)
+            wait = await self.store.wait(record.client, limit)
         except (Unavailable, *LINK_FAILURES) as e:
             log.warn("tokens_per_day of {client} not checked: {e}", client=record.client, e=e)
             return
-        wait = quota.retry_after(buckets, limit, now)
         if wait is None:
             return
         seconds = max(1, int(-(-wait // 1)))

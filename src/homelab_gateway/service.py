@@ -14,6 +14,7 @@ import cProfile
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from contextlib import suppress
 from typing import IO, Any
 from weakref import WeakValueDictionary
@@ -155,14 +156,12 @@ class Gateway:
             before = {m.line for m in members if m.line is not None}
             line = next(iter(before)) if len(before) == 1 else None
             if line is None or set(line.members) != set(members):
+                # Its settings before it adopts anyone: adopting grants what is free.
+                settings = {"on_health": self._health_changed, **_line_settings(config)}
                 if self.cluster is None:
-                    line = PositionedSemaphore(
-                        members, self.reactor, on_health=self._health_changed
-                    )
+                    line = PositionedSemaphore(members, self.reactor, **settings)
                 else:
-                    line = shared_line(
-                        members, self.reactor, cluster=self.cluster, on_health=self._health_changed
-                    )
+                    line = shared_line(members, self.reactor, cluster=self.cluster, **settings)
                 for old in before:
                     line.adopt(old)
             line.queue_limit = sum(config.upstreams[name].queue_limit for name in names)
@@ -277,12 +276,17 @@ class Gateway:
         self._started = True
         self.readiness.start()
         self.ledger.start()
-        store = self.quotas.store
-        if isinstance(store, Local) and self.quotas.limits and self.ledger.database != MEMORY:
-            seeded = ensureDeferred(store.seed(self.ledger, self.quotas.limits))
-            seeded.addErrback(lambda f: log.failure("tokens_per_day: cannot read the ledger", f))
+        self._seed_quotas(self.quotas.limits)
         if self.cluster is not None:
             self.cluster.start()
+
+    def _seed_quotas(self, clients: Mapping[str, int]) -> None:
+        """A gateway alone counts only limited clients' tokens: those newly limited (at start,
+        or by a reload) get their day from the ledger."""
+        store = self.quotas.store
+        if isinstance(store, Local) and clients and self.ledger.database != MEMORY:
+            seeded = ensureDeferred(store.seed(self.ledger, clients))
+            seeded.addErrback(lambda f: log.failure("tokens_per_day: cannot read the ledger", f))
 
     def reload(self, config: Config) -> list[str]:
         """Apply `config` without dropping anything; return what changed, one line each.
@@ -296,7 +300,9 @@ class Gateway:
         self._sync_pools(old, config)
         self.models.clear()
         self.models.update(config.models)
-        self.quotas.limits = _quotas(config)
+        limits = _quotas(config)
+        self._seed_quotas({c: n for c, n in limits.items() if c not in self.quotas.limits})
+        self.quotas.limits = limits
         self.app.proxy = self._proxy(config)
         self.app.messages = self._messages(config)
         self.app.openai = OpenAISurface(self.app.messages)

@@ -447,3 +447,43 @@ class Resize(TestCase):
         self.sem.resize(3)
         self.clock.advance(1)
         self.assertEqual(positions, [[1], [2, 1], [3, 2]])
+
+
+class MaxInFlight(TestCase):
+    """A client's max_in_flight through the Twisted layer: positions, reloads, probes."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+
+    def line(self, members: list[Replica]) -> PositionedSemaphore:
+        line = PositionedSemaphore(
+            members, self.clock, report_interval=0.5, max_in_flight={"flood": 1}
+        )
+        self.addCleanup(line.close)
+        return line
+
+    def test_a_reload_that_gives_the_line_a_replica_keeps_the_cap(self) -> None:
+        a, b = Replica("a", 1), Replica("b", 4)
+        old = self.line([a])
+        held = self.successResultOf(old.acquire_in_line(client="flood"))
+        waiters = [old.acquire_in_line(client="flood") for _ in range(5)]
+        new = self.line([a, b])
+        new.adopt(old)
+        self.assertEqual((b.held, len(new.waiting)), (0, 5), "flood holds its one slot on a")
+        self.assertEqual(new.dispatch.in_flight, {"flood": 1})
+        held.release()
+        self.assertEqual(sum(d.called for d in waiters), 1)
+        self.assertEqual(new.dispatch.in_flight, {"flood": 1})
+
+    def test_the_grant_that_caps_a_client_tells_its_waiters_their_rise_at_once(self) -> None:
+        line = self.line([Replica("r", 1)])
+        self.successResultOf(line.acquire_in_line(client="other"))
+        told: dict[str, list[int]] = {}
+        for name, client in (("f1", "flood"), ("f2", "flood"), ("o1", "other"), ("o2", "other")):
+            told[name] = []
+            rank = CLASS_RANK["interactive" if client == "flood" else "normal"]
+            line.acquire_in_line(told[name].append, client=client, rank=rank)
+        self.assertEqual([told[n][-1] for n in ("f1", "f2", "o1", "o2")], [1, 2, 3, 4])
+        line.resize(2)  # a free slot: f1 starts, which caps flood
+        self.assertEqual(told["f2"][-1], 3, "told at once: behind both of other's now")
+        self.assertEqual(line.dispatch.in_flight, {"other": 1, "flood": 1})

@@ -21,6 +21,7 @@ from homelab_gateway.core.line import Grant, Line
 from homelab_gateway.core.replicas import DOWN, UP, Circuit, Sessions, choose
 
 T = TypeVar("T", bound=Hashable)
+NOBODY: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)
@@ -36,6 +37,8 @@ class Replica:
     line: Any = None  # the semaphore whose line it is in
     owner: Any = None  # what the service keeps for this upstream (its Pool)
     share: float | None = None  # while set, only this fraction of `limit` may be held
+    # Of `held`, by client: kept here, so a reload that moves the replica moves the count.
+    clients: dict[str, int] = field(default_factory=dict)
 
     @property
     def usable(self) -> int:
@@ -94,8 +97,6 @@ class Dispatch(Generic[T]):
         self.line: Line[T] = Line(aging=aging, weights=weights)
         self.sessions = Sessions()
         self.caps = dict(caps)  # client -> max_in_flight
-        self.in_flight: dict[str, int] = {}  # slots of the line held, by client
-        self._capped: set[str] = set()  # clients holding their max_in_flight
         self._retries: dict[T, tuple[str, int, float]] = {}  # served before the line, in order
         self._wants: dict[T, Want] = {}
         self._restricted = 0  # waiters in `line` that cannot take every replica's slot
@@ -111,38 +112,49 @@ class Dispatch(Generic[T]):
         """New `max_in_flight`s (config reload): a lower one takes effect as slots are
         released, never by revoking one."""
         self.caps = dict(caps)
-        self._capped = {c for c, held in self.in_flight.items() if held >= caps.get(c, held + 1)}
+
+    def held_by(self, client: str) -> int:
+        """The slots of the line `client`'s requests hold."""
+        return sum(m.clients.get(client, 0) for m in self.members)
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """The slots of the line held, by client."""
+        totals: dict[str, int] = {}
+        for member in self.members:
+            for client, held in member.clients.items():
+                totals[client] = totals.get(client, 0) + held
+        return totals
+
+    def capped(self, client: str, pending: int = 0) -> bool:
+        """Whether `client` may take no further slot (with `pending` more on their way)."""
+        cap = self.caps.get(client)
+        return cap is not None and self.held_by(client) + pending >= cap
+
+    def capped_clients(self) -> frozenset[str]:
+        """The clients that hold their max_in_flight: a look at each cap, none configured."""
+        if not self.caps:
+            return NOBODY
+        return frozenset(c for c, cap in self.caps.items() if self.held_by(c) >= cap)
 
     def hold(self, replica: Replica, client: str) -> bool:
         """`client`'s request holds a slot of `replica`. True if that capped the client while
         it has waiters: they go back behind everyone else."""
         replica.held += 1
-        held = self.in_flight[client] = self.in_flight.get(client, 0) + 1
-        if held < self.caps.get(client, held + 1):
-            return False
-        self._capped.add(client)
-        return self._waits(client)
+        replica.clients[client] = replica.clients.get(client, 0) + 1
+        return self.capped(client) and self._waits(client)
 
     def unhold(self, replica: Replica, client: str) -> bool:
         """`client`'s request gave back its slot of `replica`. True if that uncapped the
         client while it has waiters: one of them may start now."""
         replica.held -= 1
-        held = self.in_flight.get(client, 0) - 1
+        held = replica.clients.get(client, 0) - 1
         if held > 0:
-            self.in_flight[client] = held
+            replica.clients[client] = held
         else:
-            self.in_flight.pop(client, None)
-        if client not in self._capped or held >= self.caps.get(client, held + 1):
-            return False
-        self._capped.discard(client)
-        return self._waits(client)
-
-    def capped(self, client: str, pending: int = 0) -> bool:
-        """Whether `client` may take no further slot (with `pending` more on their way)."""
-        if not pending:
-            return client in self._capped
+            replica.clients.pop(client, None)
         cap = self.caps.get(client)
-        return cap is not None and self.in_flight.get(client, 0) + pending >= cap
+        return cap is not None and self.held_by(client) == cap - 1 and self._waits(client)
 
     def client_of(self, item: T) -> str:
         retry = self._retries.get(item)
@@ -153,9 +165,10 @@ class Dispatch(Generic[T]):
             r[0] == client for r in self._retries.values()
         )
 
-    def _capped_waiting(self) -> bool:
-        """Whether a capped client has waiters: then the order is not the fair line's alone."""
-        return bool(self._capped) and any(self._waits(c) for c in self._capped)
+    def _capped_waiting(self, capped: frozenset[str]) -> bool:
+        """Whether one of the `capped` clients has waiters: then the order is not the fair
+        line's alone."""
+        return any(self._waits(c) for c in capped)
 
     @property
     def plain(self) -> bool:
@@ -206,7 +219,7 @@ class Dispatch(Generic[T]):
         """A newcomer that may start now on a replica it may take: it skips the line, and its
         service still counts. None if none is open to it, or its client is capped: it must
         wait."""
-        if client in self._capped:
+        if self.capped(client):
             return None
         candidates = self.open_for(want, now)
         if not candidates:
@@ -260,7 +273,7 @@ class Dispatch(Generic[T]):
         there; None if nobody waiting may."""
         if not any(m.open_at(now) for m in self.members):
             return None
-        capped = self._capped
+        capped = self.capped_clients()
         for item, (client, _, _) in self._retries.items():
             if client in capped:
                 continue
@@ -268,7 +281,7 @@ class Dispatch(Generic[T]):
             candidates = self.open_for(want, now)
             if candidates:
                 return self._start(item, want, candidates, *self.grant(item, now))
-        if not self._restricted and not self._capped_waiting():
+        if not self._restricted and not self._capped_waiting(capped):
             # Everyone may take any replica, so the head of the line gets it.
             granted = self.line.grant(now)
             if granted is None:
@@ -305,10 +318,11 @@ class Dispatch(Generic[T]):
         waiters of capped clients after all others, in that same order."""
         line = self.line.order(now)
         order = chain(self._retries, line) if self._retries else line
-        return self._capped_last(order) if self._capped_waiting() else order
+        capped = self.capped_clients()
+        return self._capped_last(order, capped) if self._capped_waiting(capped) else order
 
-    def _capped_last(self, order: Iterator[T]) -> Iterator[T]:
-        capped, later = self._capped, []
+    def _capped_last(self, order: Iterator[T], capped: frozenset[str]) -> Iterator[T]:
+        later = []
         for item in order:
             if self.client_of(item) in capped:
                 later.append(item)
@@ -320,7 +334,8 @@ class Dispatch(Generic[T]):
         """Whether the newcomer `item` is last in `order` (False when unsure)."""
         if item not in self.line:
             return False
-        if self._capped_waiting() and self.line.arrived(item)[0] not in self._capped:
+        capped = self.capped_clients()
+        if self._capped_waiting(capped) and self.line.arrived(item)[0] not in capped:
             return False
         return self.line.is_last(item, now)
 

@@ -439,7 +439,8 @@ class Cluster:
         """Run `spend` or `spent` on `client`'s tokens (quotas.py)."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        return ensureDeferred(self._eval(script, [self.key("tokens", client)], list(args)))
+        keys = [self.key("tokens", client), self.key("tokens", client, "total")]
+        return ensureDeferred(self._eval(script, keys, list(args)))
 
 
 def _pairs(flat: Sequence[str]) -> dict[str, str]:

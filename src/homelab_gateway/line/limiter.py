@@ -208,7 +208,8 @@ class PositionedSemaphore(DeferredSemaphore):
 
     def refresh(self) -> None:
         """After a change to the replicas (slots, membership, health): grant what is free."""
-        self.source.grant_free()
+        if self.source.grant_free():  # out of turn, or it capped a client: some moved back
+            self.tell_rises(self.clock.seconds())
         self.count()
         self.changed()
 
@@ -368,19 +369,19 @@ class PositionedSemaphore(DeferredSemaphore):
         """`slot` is free again after `held` seconds: its client's fair share is settled with
         that, and the slot goes to the next waiter of the line its replica is in now."""
         assert slot.replica.held > 0, "release without a held slot"
-        uncapped = self.dispatch.unhold(slot.replica, slot.grant.client)
+        line = slot.line()
+        # Counted in the line its replica is in now: its client may be capped there no more.
+        uncapped = line.dispatch.unhold(slot.replica, slot.grant.client)
         self.holding.pop(slot, None)
         moved = self.dispatch.line.settle(slot.grant, held)
-        line = slot.line()
         line.holds.add(held)
         if line is not self:  # a reload moved the replica: the settle may have moved ours
-            if uncapped:  # and one of its client's waiters here may start now
-                moved = self.source.grant_free() or moved
             if moved:
                 self.tell_rises(now)
             self.changed()
             moved = False
-        moved = line.source.grant_free() or moved  # which counts, or its batch's end does
+        # Which counts, or its batch's end does; an uncapped client's waiters go before others.
+        moved = line.source.grant_free() or moved or uncapped
         if moved:
             line.tell_rises(now)
         line.changed()
@@ -427,6 +428,7 @@ class PositionedSemaphore(DeferredSemaphore):
         self.holding = {}
         for member in self.members:
             member.held = 0
+            member.clients = {}
 
     # -- position reports --------------------------------------------------------------------
 

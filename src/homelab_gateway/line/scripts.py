@@ -54,7 +54,7 @@ local function take(w, info, prefs, cap)
     for i = 1, #MEMBERS do
       for _, raw in ipairs(redis.call('HVALS', KEYS[4 + i])) do
         local slot = cjson.decode(raw)
-        if slot.l == LINE and cjson.decode(slot.i).c == client then held = held + 1 end
+        if cjson.decode(slot.i).c == client then held = held + 1 end
       end
     end
     if held >= tonumber(cap) then return end
@@ -73,8 +73,8 @@ end
 # with room) and its client holds fewer than its max_in_flight of the line's slots, else it
 # joins the line. ARGV: w, info, arrived ('' for now), prefs (JSON array of upstream name, slot
 # count, ...), the client's max_in_flight ('' for none). A client's slots are counted from the
-# slot hashes, which hold a few dozen entries: no count to keep right through sweeps and
-# restores.
+# line's upstreams' slot hashes (whichever line took them: a reload may have moved an upstream
+# to this one), a few dozen entries: no count to keep right through sweeps and restores.
 JOIN = """
 local w, info = ARGV[5], ARGV[6]
 if redis.call('HLEN', WAITING) == 0 then
@@ -193,27 +193,64 @@ for i = 3, #KEYS do out[#out + 1] = redis.call('HGETALL', KEYS[i]) end
 return out
 """
 
-# A client's tokens, for its tokens_per_day (quotas.py): one hash per client, second -> tokens
-# of the requests that ended in it, by Redis's clock. KEYS: the hash. Seconds past the window
-# (ARGV[2]) are dropped as others are added.
-SPEND = """
+# A client's tokens, for its tokens_per_day (quotas.py, core/quota.py): a list of its buckets
+# "second:tokens", oldest first, by Redis's clock, and their total. KEYS: the list, the total.
+# ARGV[1]: the window in seconds. Buckets that left it are dropped first, by both scripts.
+TOKENS = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local window = tonumber(ARGV[2])
-if tonumber(ARGV[1]) > 0 then redis.call('HINCRBY', KEYS[1], clock[1], ARGV[1]) end
-for _, second in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if tonumber(second) + 1 + window <= now then redis.call('HDEL', KEYS[1], second) end
+local window = tonumber(ARGV[1])
+while true do
+  local first = redis.call('LINDEX', KEYS[1], 0)
+  if not first then break end
+  local second, tokens = string.match(first, '^(%d+):(%d+)$')
+  if tonumber(second) + 1 + window > now then break end
+  redis.call('LPOP', KEYS[1])
+  redis.call('DECRBY', KEYS[2], tokens)
 end
-redis.call('EXPIRE', KEYS[1], math.ceil(window) + 2)
-return 1
 """
 
-# The buckets of a client's tokens, with Redis's time to judge them by. KEYS: the hash.
-SPENT = """
-local clock = redis.call('TIME')
-return {clock[1] .. '.' .. string.format('%06d', tonumber(clock[2])),
-        redis.call('HGETALL', KEYS[1])}
+# Tokens spent now (ARGV[2]); a second already counted (or a later one) takes them in.
+SPEND = (
+    TOKENS
+    + """
+local tokens = tonumber(ARGV[2])
+if tokens > 0 then
+  local last = redis.call('LINDEX', KEYS[1], -1)
+  local second, counted
+  if last then second, counted = string.match(last, '^(%d+):(%d+)$') end
+  if last and tonumber(second) >= tonumber(clock[1]) then
+    redis.call('LSET', KEYS[1], -1, second .. ':' .. (tonumber(counted) + tokens))
+  else
+    redis.call('RPUSH', KEYS[1], clock[1] .. ':' .. tokens)
+  end
+  redis.call('INCRBY', KEYS[2], tokens)
+end
+for i = 1, 2 do redis.call('EXPIRE', KEYS[i], math.ceil(window) + 2) end
+return 1
 """
+)
+
+# Redis's time, the total, and the oldest buckets that must leave for the total to be below
+# ARGV[2] (none if it is).
+SPENT = (
+    TOKENS
+    + """
+local total, limit = tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2])
+local leaving, left, from = {}, total, 0
+while left >= limit do
+  local page = redis.call('LRANGE', KEYS[1], from, from + 99)
+  if #page == 0 then break end
+  for _, bucket in ipairs(page) do
+    leaving[#leaving + 1] = bucket
+    left = left - tonumber(string.match(bucket, ':(%d+)$'))
+    if left < limit then break end
+  end
+  from = from + 100
+end
+return {clock[1] .. '.' .. string.format('%06d', tonumber(clock[2])), tostring(total), leaving}
+"""
+)
 
 LINE_SCRIPTS = {
     "join": JOIN,

@@ -326,12 +326,16 @@ class RedisSource:
             return
         dispatch = line.dispatch
         pending = self._pending()
-        # A claim is for the first waiters not yet claimed for: the walk stops after a few.
+        capped = dispatch.capped_clients()
+        # A claim is for the first waiters not yet claimed for: the walk stops after a few,
+        # or at the first capped client's, behind whom all are capped.
         for item in dispatch.order(now):
             w = self._ids[item]
             if w in self._claiming:
                 continue
             client = dispatch.client_of(item)
+            if client in capped:
+                return
             if dispatch.capped(client, pending.get(client, 0)):
                 continue
             want = dispatch.want_of(item)
@@ -465,11 +469,12 @@ class RedisSource:
         del self._slots[w]
         self.line.give_back(slot, t - slot.granted_at, t)
 
-    def _add_slot(self, slot: Slot) -> None:
-        """Count `slot` as taken in this copy: learnt whole from Redis, or running here."""
+    def _add_slot(self, slot: Slot) -> bool:
+        """Count `slot` as taken in this copy: learnt whole from Redis, or running here. True
+        if that capped its client (`Dispatch.hold`)."""
         self._slots[slot.id] = slot
         self.line.holding[slot] = None
-        self.line.dispatch.hold(slot.replica, slot.grant.client)
+        return self.line.dispatch.hold(slot.replica, slot.grant.client)
 
     def _slot_from(self, w: str, request: str, granted_at: float, replica: Replica) -> Slot:
         """A slot this copy learns from Redis whole (a snapshot, a restore): its request's
@@ -488,8 +493,11 @@ class RedisSource:
         if w in self._slots:
             return
         replica = self._member(event["r"])
-        if replica is not None:
-            self._add_slot(self._slot_from(w, event["i"], float(event["g"]), replica))
+        if replica is not None and self._add_slot(
+            self._slot_from(w, event["i"], float(event["g"]), replica)
+        ):
+            self.line.tell_rises(t)
+            self.line.changed()
 
     def _on_leave(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
