@@ -92,7 +92,9 @@ class Gateway:
         self.models.update(config.models)
         usage = config.usage  # read at start only
         self.ledger = Ledger(usage.database, usage.keep_days, reactor, reactor=reactor)
-        self.telemetry = Telemetry(reactor, self.pools, self.cluster, self.ledger)
+        self.telemetry = Telemetry(
+            reactor, self.pools, self.cluster, self.ledger, clients=config.clients
+        )
         self.inflight = InFlight(reactor, self.telemetry)
         self.readiness = Readiness(
             self.pools, reactor, config.server.probe_interval, models=self.models
@@ -292,6 +294,7 @@ class Gateway:
         self.app.openai = OpenAISurface(self.app.messages)
         self.app.responses = ResponsesSurface(self.app.messages)
         self.app.access = self._access(config)
+        self.telemetry.clients = frozenset(config.clients)
         self.site.limits = self._limits(config)
         self._configure_status_page(config)
         self.readiness.interval = config.server.probe_interval
