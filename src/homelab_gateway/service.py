@@ -235,10 +235,11 @@ class Gateway:
 
     def _configure_status_page(self, config: Config) -> None:
         """The event stream's cap and stall timeout: for the next subscriber (a reload keeps
-        those open, even above a lower cap)."""
+        those open, even above a lower cap); the charts' sample interval."""
         page = self.app.status_page
         page.max_subscribers = config.server.max_status_subscribers
         page.stall_timeout = config.server.write_stall_timeout
+        page.set_sample_interval(config.server.status_sample_interval)
 
     def _limits(self, config: Config) -> WireLimits:
         server = config.server
@@ -274,6 +275,7 @@ class Gateway:
         self._started = True
         self.readiness.start()
         self.ledger.start()
+        self.app.status_page.start()
         if self.cluster is not None:
             self.cluster.start()
 
@@ -336,6 +338,7 @@ class Gateway:
 
     async def close(self) -> None:
         self.readiness.stop()
+        self.app.status_page.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         for line in self._lines():
