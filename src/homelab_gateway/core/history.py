@@ -3,10 +3,10 @@
 Every `[server] status_sample_interval` seconds (10 by default) the gateway takes one sample:
 its slots, those in use and the requests waiting at that moment (as a Prometheus scrape reads
 a gauge), and the input and output tokens per second since the previous sample. `History`
-keeps the last `SIZE` of them in a ring: 360, the last hour at 10 s, a point for every two
-pixels of a chart. Its memory and the page's first frame (~15 KB) stay that size however long
-the gateway runs, and a sample costs a few sums, so it is taken whether or not a page is open:
-a page opened later shows the hour before it.
+keeps the last `SIZE` of them in a ring: 360, the last hour at 10 s, about a point per pixel
+of a chart. Its memory and the page's first frame (~14 KB) stay that size however long the
+gateway runs, and a sample costs a few sums and one pass over the requests being handled, so
+it is taken whether or not a page is open: a page opened later shows the hour before it.
 
 `tokens_by_day` turns the usage ledger's tokens by client and hour into the last `DAYS` days
 (UTC, as `/llm/v1/usage` counts its hours) for the `TOP_CLIENTS` clients with the most tokens,

@@ -21,8 +21,8 @@ watchers can take neither every file descriptor nor the reactor's time. 0 turns 
 
 The charts' history does not ride on every frame. The gateway samples its slots, waiters and
 tokens every `[server] status_sample_interval` whether or not anyone watches (`core.history`);
-a stream's first snapshot carries the whole ring (`history`, ~15 KB), then each new sample
-comes alone as an `event: sample` (~80 bytes). A stream that misses a sample while its reader
+a stream's first snapshot carries the whole ring (`history`, ~14 KB), then each new sample
+comes alone as an `event: sample` (<100 bytes). A stream that misses a sample while its reader
 is stalled gets a snapshot with the whole ring again instead, so its chart has no hole. The
 tokens per client per day come as an `event: usage`, read from the ledger on its own thread
 when a stream opens and once a minute while any is open.
