@@ -178,6 +178,10 @@ def test_bad_toml(tmp_path: Path) -> None:
             "[server]\nmax_status_subscribers = 'many'",
             "server.max_status_subscribers: must be an integer >= 0, got 'many'",
         ),
+        (
+            "[server]\nstatus_sample_interval = 0",
+            "server.status_sample_interval: must be a positive number of seconds, got 0",
+        ),
         ("[auth]\napi_keys_env = 'EMPTY'", "auth: no API keys found in EMPTY"),
         (
             "[auth]\napi_keys_file = '/nonexistent/keys'",

@@ -104,6 +104,22 @@ class LedgerTest(TestCase):
         alone = await ledger.rows(UsageQuery(client="bob", since=NOON + 3600, by=("model",)))
         self.assertEqual(alone, [])
 
+    async def test_tokens_by_hour_sum_every_model_and_outcome_from_the_first_hour_on(self) -> None:
+        ledger = self.ledger()
+        ledger.add(record())
+        self.clock.advance(3600)
+        ledger.add(record(served_model="qwen-coder"))
+        ledger.add(record(outcome="client_disconnected", output_tokens=5))
+        ledger.add(record(client="bob", input_tokens=7, output_tokens=3))
+        self.assertEqual(
+            sorted(await ledger.tokens_by_hour(NOON)),
+            [("alice", NOON, 100, 20), ("alice", NOON + 3600, 200, 25), ("bob", NOON + 3600, 7, 3)],
+        )
+        self.assertEqual(
+            sorted(await ledger.tokens_by_hour(NOON + 3600)),
+            [("alice", NOON + 3600, 200, 25), ("bob", NOON + 3600, 7, 3)],
+        )
+
     async def test_the_sums_survive_a_restart_and_keep_adding_up(self) -> None:
         first = self.ledger()
         first.add(record())

@@ -98,6 +98,7 @@ class ServerConfig:
     trusted_proxies: tuple[str, ...] = ()  # networks, e.g. "127.0.0.1/32"
     retries: int = 2  # extra attempts on another replica, only before any byte was answered
     max_status_subscribers: int = 64  # open /status/events streams; 0: the stream is off
+    status_sample_interval: float = 10.0  # the status page's charts: 360 samples, an hour
 
 
 @dataclass(frozen=True)
@@ -440,6 +441,9 @@ def _parse_server(section: _Section) -> ServerConfig:
         retries=section.integer("retries", defaults.retries, minimum=0),
         max_status_subscribers=section.integer(
             "max_status_subscribers", defaults.max_status_subscribers, minimum=0
+        ),
+        status_sample_interval=section.seconds(
+            "status_sample_interval", defaults.status_sample_interval
         ),
     )
 

@@ -88,6 +88,16 @@ def _read(cursor: Any, query: UsageQuery) -> list[dict[str, Any]]:
     return group(buckets, query.by)
 
 
+def _tokens_by_hour(cursor: Any, first: int) -> list[tuple[str, int, int, int]]:
+    cursor.execute(
+        "SELECT client, hour, SUM(input_tokens), SUM(output_tokens) FROM usage"
+        " WHERE hour >= ? GROUP BY client, hour",
+        (first,),
+    )
+    rows: list[tuple[str, int, int, int]] = cursor.fetchall()
+    return rows
+
+
 class Ledger:
     """The usage of every finished request on the LLM surfaces, by client, model, surface,
     hour and outcome. `start` begins the timed writes and trims; `stop` writes what is
@@ -176,6 +186,15 @@ class Ledger:
         """`/llm/v1/usage`'s rows, every finished request included."""
         await self.flush()
         rows: list[dict[str, Any]] = await self._pool().runInteraction(_read, query)
+        return rows
+
+    async def tokens_by_hour(self, first: int) -> list[tuple[str, int, int, int]]:
+        """(client, hour, input tokens, output tokens) for the hours from `first` on, every
+        finished request included: the status page's tokens per client per day."""
+        await self.flush()
+        rows: list[tuple[str, int, int, int]] = await self._pool().runInteraction(
+            _tokens_by_hour, first
+        )
         return rows
 
     async def stop(self) -> None:

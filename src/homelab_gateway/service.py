@@ -96,7 +96,9 @@ class Gateway:
         self.ledger = Ledger(usage.database, usage.keep_days, reactor, reactor=reactor)
         store = Local(reactor) if self.cluster is None else Shared(self.cluster)
         self.quotas = Quotas(_quotas(config), store)
-        self.telemetry = Telemetry(reactor, self.pools, self.cluster, self.ledger, self.quotas)
+        self.telemetry = Telemetry(
+            reactor, self.pools, self.cluster, self.ledger, self.quotas, clients=config.clients
+        )
         self.inflight = InFlight(reactor, self.telemetry)
         self.readiness = Readiness(
             self.pools, reactor, config.server.probe_interval, models=self.models
@@ -237,10 +239,11 @@ class Gateway:
 
     def _configure_status_page(self, config: Config) -> None:
         """The event stream's cap and stall timeout: for the next subscriber (a reload keeps
-        those open, even above a lower cap)."""
+        those open, even above a lower cap); the charts' sample interval."""
         page = self.app.status_page
         page.max_subscribers = config.server.max_status_subscribers
         page.stall_timeout = config.server.write_stall_timeout
+        page.set_sample_interval(config.server.status_sample_interval)
 
     def _limits(self, config: Config) -> WireLimits:
         server = config.server
@@ -277,6 +280,7 @@ class Gateway:
         self.readiness.start()
         self.ledger.start()
         self._seed_quotas(self.quotas.limits)
+        self.app.status_page.start()
         if self.cluster is not None:
             self.cluster.start()
 
@@ -308,6 +312,7 @@ class Gateway:
         self.app.openai = OpenAISurface(self.app.messages)
         self.app.responses = ResponsesSurface(self.app.messages)
         self.app.access = self._access(config)
+        self.telemetry.clients = frozenset(config.clients)
         self.site.limits = self._limits(config)
         self._configure_status_page(config)
         self.readiness.interval = config.server.probe_interval
@@ -349,6 +354,7 @@ class Gateway:
 
     async def close(self) -> None:
         self.readiness.stop()
+        self.app.status_page.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         for line in self._lines():

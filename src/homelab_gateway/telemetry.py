@@ -14,8 +14,6 @@ UTF-8 breaks every later scrape), and log fields are capped and escaped.
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,6 +26,7 @@ from twisted.logger import Logger
 
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP
+from homelab_gateway.core.usage import counted
 
 if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
@@ -41,24 +40,16 @@ LOGGED_CHARS = 200  # of each client-chosen string in a log line
 RECENT = 50  # finished requests kept for the status page
 
 request_log = Logger(namespace="homelab_gateway.requests")
-ANONYMOUS_LABEL = "anonymous"
-
-
-@functools.lru_cache(maxsize=1024)
-def client_label(client: str) -> str:
-    """A client as a metrics label: its key's name, or one label for every address (addresses
-    are unbounded; config refuses client names that are addresses). Cached: parsing an address
-    is the dearest step of a request's metrics, and the same few clients come back."""
-    try:
-        ipaddress.ip_address(client)
-    except ValueError:
-        return client or ANONYMOUS_LABEL
-    return ANONYMOUS_LABEL
+OTHER_CLIENT = "other"
+TOKEN_KINDS = ("input", "output", "cached")
 
 
 class _SlotCollector(Collector):
-    def __init__(self, pools: Mapping[str, Pool], cluster: Any = None) -> None:
+    def __init__(
+        self, pools: Mapping[str, Pool], label: Callable[[str], str], cluster: Any = None
+    ) -> None:
         self._pools = pools
+        self._label = label
         self._cluster = cluster
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -84,7 +75,7 @@ class _SlotCollector(Collector):
         )
         by_client = GaugeMetricFamily(
             "homelab_gateway_queue_waiting_by_client",
-            "Requests waiting for a slot, by client (key-less clients as 'anonymous')",
+            "Requests waiting for a slot, by client ([clients] names; any other as 'other')",
             labels=["upstream", "client"],
         )
         for name, pool in self._pools.items():
@@ -98,7 +89,7 @@ class _SlotCollector(Collector):
                 by_class.add_metric([name, cls], count)
             clients: dict[str, int] = {}
             for client, count in line.line.waiting_by_client().items():
-                label = client_label(client)
+                label = self._label(client)
                 clients[label] = clients.get(label, 0) + count
             for label, count in clients.items():
                 by_client.add_metric([name, label], count)
@@ -116,9 +107,14 @@ class _SlotCollector(Collector):
 
 class Telemetry:
     """Metrics and the request log, and what the status page reads: the requests being
-    handled (`active`, by `id` of the record) and the last `RECENT` finished ones with the
-    moment each ended. Both are kept in O(1) per request whether or not a page is open;
-    `on_change`, if set, is told of every start and finish (the page's push)."""
+    handled (`active`, by `id` of the record), the last `RECENT` finished ones with the
+    moment each ended, and the tokens of those that held a slot (`token_totals`). All are
+    kept in O(1) per request whether or not a page is open; `on_change`, if set, is told of
+    every start and finish (the page's push).
+
+    A metric's `client` label is a configured client's name (`clients`, the `[clients]`
+    names, set again by a reload) or `other` for any caller else: an `[auth]` key, an
+    address. So the label set is the config's, never the addresses that connect."""
 
     def __init__(
         self,
@@ -127,19 +123,22 @@ class Telemetry:
         cluster: Any = None,
         ledger: Ledger | None = None,
         quotas: Quotas | None = None,
+        clients: Iterable[str] = (),
     ) -> None:
         self.clock = clock
         self.ledger = ledger  # where each finished request's usage is kept
         self.quotas = quotas  # and counted against its client's tokens_per_day
+        self.clients = frozenset(clients)
         self.active: dict[int, RequestRecord] = {}
         self.recent: deque[tuple[RequestRecord, float]] = deque(maxlen=RECENT)
         self.on_change: Callable[[], None] | None = None
+        self._input_tokens = self._output_tokens = 0  # of finished requests that held a slot
         # Each metric's child per label values: `labels()` checks and converts its arguments
         # and takes a lock on every call. Bounded as the metrics' own children are (labels are
         # configured names and fixed words, never a client's string), and never removed.
         self._children: dict[tuple[object, tuple[Any, ...]], Any] = {}
         self.registry = CollectorRegistry()
-        self.registry.register(_SlotCollector(pools, cluster))
+        self.registry.register(_SlotCollector(pools, self.client_label, cluster))
         self.requests = Counter(
             "homelab_gateway_requests",
             "Finished requests",
@@ -164,6 +163,13 @@ class Telemetry:
             "homelab_gateway_client_slot_seconds",
             "Slot time received (seconds a slot was held), by client",
             ["upstream", "client"],
+            registry=self.registry,
+        )
+        self.client_tokens = Counter(
+            "homelab_gateway_client_tokens",
+            "Tokens by client and kind (input: the whole prompt, cached included; output; "
+            "cached), counted as /llm/v1/usage counts them",
+            ["client", "kind"],
             registry=self.registry,
         )
         self.first_token = Histogram(
@@ -197,6 +203,19 @@ class Telemetry:
             ["upstream"],
             registry=self.registry,
         )
+
+    def client_label(self, client: str) -> str:
+        return client if client in self.clients else OTHER_CLIENT
+
+    def token_totals(self) -> tuple[int, int]:
+        """Input and output tokens of every request that has held a slot since start, those
+        in flight as far as they have come: the status page's tokens per second."""
+        input_tokens, output_tokens = self._input_tokens, self._output_tokens
+        for record in self.active.values():
+            if record.queue_wait is not None:
+                input_tokens += record.input_tokens or 0
+                output_tokens += record.output_tokens or 0
+        return input_tokens, output_tokens
 
     def _child(self, metric: Any, *values: Any) -> Any:
         child = self._children.get((metric, values))
@@ -238,9 +257,17 @@ class Telemetry:
             child(self.queue_wait, record.upstream).observe(record.queue_wait)
             served_as = record.served_as or record.priority
             child(self.class_queue_wait, record.upstream, served_as).observe(record.queue_wait)
+        client = self.client_label(record.client)
         if record.slot_seconds is not None and record.upstream:
-            client = client_label(record.client)
             child(self.client_service, record.upstream, client).inc(record.slot_seconds)
+        if record.queue_wait is not None:
+            self._input_tokens += record.input_tokens or 0
+            self._output_tokens += record.output_tokens or 0
+        if counted(record):
+            counts = (record.input_tokens, record.output_tokens, record.cached_tokens)
+            for kind, count in zip(TOKEN_KINDS, counts, strict=True):
+                if count:
+                    child(self.client_tokens, client, kind).inc(count)
         if record.first_token is not None:
             child(self.first_token, record.upstream, model_label).observe(record.first_token)
         if record.output_tokens:

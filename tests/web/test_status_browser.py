@@ -8,7 +8,11 @@ bounded by PATIENCE. `make test` installs chromium where it is missing; Playwrig
 asked to download a browser.
 
 With STATUS_PAGE_SCREENSHOT=PATH set, the page under load is saved there (docs/status-page.png
-is made this way).
+is made this way), and with STATUS_PAGE_CHARTS_SCREENSHOT=PATH its charts, once the load is
+gone (docs/status-page-charts.png).
+
+The gateway samples every 0.2 s here, so the charts' hour is 72 s and a sample follows each
+change at once: a wait for a chart's state is as short as a wait for a table's.
 """
 
 from __future__ import annotations
@@ -44,10 +48,38 @@ WAIT_MS = PATIENCE * 1000
 expect.set_options(timeout=WAIT_MS)  # every wait for a DOM state below is bounded by PATIENCE
 KEYS = {"OPS_KEY": "ops-key-1", "FRONTEND_KEY": "fe-key-2", "CLAUDE_KEY": "cc-key-3"}
 KEYS["NIGHTLY_KEY"] = "nightly-key-4"
+SAMPLE_INTERVAL = 0.2
+# A line chart's points, as (when on the gateway's clock, value): the SVG holds x as seconds
+# before the newest sample (its `data-newest`) and y as the value itself.
+POINTS = """selector => {
+  const line = document.querySelector(selector);
+  if (!line || !line.ownerSVGElement.dataset.newest) return [];
+  const newest = Number(line.ownerSVGElement.dataset.newest);
+  return line.getAttribute("points").split(" ").filter(Boolean)
+    .map(point => point.split(",").map(Number)).map(([x, y]) => [newest + x, y]);
+}"""
+LAST = f"""([selector, value]) => {{
+  const points = ({POINTS})(selector);
+  return points.length > 0 && points[points.length - 1][1] === value;
+}}"""
+# Tokens: the area under a tokens/s line, over the samples taken after `since`.
+AREA = f"""([selector, since]) => {{
+  const points = ({POINTS})(selector);
+  let area = 0;
+  for (let i = 1; i < points.length; i++) {{
+    if (points[i][0] > since) area += points[i][1] * (points[i][0] - points[i - 1][0]);
+  }}
+  return area;
+}}"""
+SLOTS, WAITING = '#chart-slots [data-series="in_use"]', '#chart-slots [data-series="waiting"]'
+OUTPUT = '#chart-output [data-series="output_per_s"]'
 
 
 def config(vllm: str, ollama: str) -> str:
     return f"""
+[server]
+status_sample_interval = {SAMPLE_INTERVAL}
+
 [auth]
 api_keys_env = "OPS_KEY"
 protect_metrics = true
@@ -168,7 +200,22 @@ def card(page: Page, upstream: str) -> Locator:
     return page.locator(f'[data-upstream="{upstream}"]')
 
 
-def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
+def until_last(page: Page, selector: str, value: float) -> None:
+    """Wait for a line chart's newest point to be `value`."""
+    page.wait_for_function(LAST, arg=[selector, value])
+
+
+def usage(url: str) -> dict[str, int]:
+    """/llm/v1/usage's tokens (input and output) by client."""
+    request = urllib.request.Request(
+        url + "/llm/v1/usage?by=client", headers={"x-api-key": KEYS["OPS_KEY"]}
+    )
+    with urllib.request.urlopen(request, timeout=PATIENCE) as response:
+        rows = json.load(response)["rows"]
+    return {row["client"]: row["input_tokens"] + row["output_tokens"] for row in rows}
+
+
+def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again_and_charts_them(
     gateway: str, page: Page
 ) -> None:
     page.goto(gateway + "/")  # redirected to the page
@@ -186,10 +233,16 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
     expect(bar).to_have_attribute("aria-valuenow", "0")
     expect(bar).to_have_attribute("aria-valuemax", "2")
     expect(vllm.locator(".models")).to_have_text("reasoning, qwen-coder")
+    until_last(page, '#chart-slots [data-series="slots"]', 3)  # vllm's 2 and ollama's 1
+    until_last(page, OUTPUT, 0)  # nothing generates: what follows is the answers' alone
+    since = float(page.locator("#chart-output svg").get_attribute("data-newest") or "nan")
 
     answer(gateway, KEYS["FRONTEND_KEY"], "reasoning")
     chat_answer(gateway, KEYS["NIGHTLY_KEY"], "qwen-coder")
     expect(page.locator("#finished td", has_text="completed")).to_have_count(2)
+    # 16 tokens each: the area under the output tokens/s line, once both are sampled.
+    page.wait_for_function(f"args => ({AREA})(args) > 31", arg=[OUTPUT, since])
+    assert abs(page.evaluate(AREA, [OUTPUT, since]) - 32) < 0.1
     for surface in ("messages", "chat"):  # each request's surface, beside its model
         cells = page.locator("#finished td").filter(has_text=re.compile(f"^{surface}$"))
         expect(cells).to_have_count(1)
@@ -220,6 +273,9 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
     expect(vllm.locator('tr[data-client="nightly"] td.num')).to_have_text("3")
     expect(vllm.locator(".longest")).to_be_visible()
     expect(page.locator("#in-flight-count")).to_have_text("3")
+    until_last(page, SLOTS, 3)
+    until_last(page, WAITING, 5)
+    page.wait_for_function(f"() => ({POINTS})('{OUTPUT}').some(([, y]) => y > 0)")
     text = page.locator("body").inner_text()
     assert not any(key in text for key in KEYS.values())
     screenshot = os.environ.get("STATUS_PAGE_SCREENSHOT")
@@ -233,6 +289,27 @@ def test_the_page_shows_slots_fill_a_line_form_and_both_empty_again(
     expect(card(page, "ollama").locator(".bar")).to_have_attribute("aria-valuenow", "0")
     expect(page.locator("#in-flight-count")).to_have_text("0")
     expect(page.locator("#finished td", has_text="client_disconnected")).to_have_count(8)
+    until_last(page, SLOTS, 0)
+    until_last(page, WAITING, 0)
+
+    # A page opened now has the hour before it, and the days as the ledger counts them.
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+    until_last(page, SLOTS, 0)
+    held = page.evaluate(POINTS, SLOTS)
+    assert max(y for _, y in held) == 3
+    assert held[0][0] <= since, "the history is older than the page"
+    assert max(y for _, y in page.evaluate(POINTS, WAITING)) == 5
+    counted = usage(gateway)
+    assert set(counted) == {"frontend", "claude-code", "nightly"}
+    for client, tokens in counted.items():
+        bars = page.locator(f'#chart-days rect[data-client="{client}"]')
+        expect(bars).to_have_count(1)  # today's
+        expect(bars).to_have_attribute("data-tokens", str(tokens))
+    expect(page.locator("#chart-days .legend")).to_contain_text("frontend")
+    screenshot = os.environ.get("STATUS_PAGE_CHARTS_SCREENSHOT")
+    if screenshot:
+        page.locator("#charts").screenshot(path=Path(screenshot))
 
 
 def test_health_and_a_models_line_are_shown_where_the_gateway_says_and_names_stay_text(

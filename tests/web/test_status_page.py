@@ -11,6 +11,7 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.line.limiter import PositionedSemaphore
@@ -22,6 +23,7 @@ from homelab_gateway.web.statuspage import (
     MAX_SUBSCRIBERS,
     MIN_INTERVAL,
     STALL_TIMEOUT,
+    USAGE_INTERVAL,
     StatusPage,
 )
 from tests.helpers import (
@@ -69,6 +71,14 @@ class FakeRequest:
 
     def write(self, data: bytes) -> None:
         self.written.append(data)
+
+    def events(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every frame as (event, data)."""
+        out = []
+        for frame in self.written:
+            head, data = frame.decode().rstrip("\n").split("\n")
+            out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+        return out
 
     def snapshots(self) -> list[dict[str, Any]]:
         out = []
@@ -301,6 +311,127 @@ class Pushing(TestCase):
         self.assertTrue(request.channel.transport.aborted)
 
 
+NOON = 1_796_212_800  # 2026-12-02T12:00:00Z
+
+
+class Charts(TestCase):
+    """The charts' samples and the per-day chart, on a Clock."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(NOON)
+        self.slots = PositionedSemaphore(1, self.clock)
+        self.addCleanup(self.slots.close)
+        self.replica = SimpleNamespace(limit=2, held=0)
+        self.telemetry = Telemetry(self.clock, {})
+        self.reads: list[tuple[int, Deferred[list[tuple[str, int, int, int]]]]] = []
+        self.page = StatusPage(
+            self.clock,
+            self.telemetry,
+            {"vllm": SimpleNamespace(line=self.slots, replica=self.replica)},  # type: ignore[dict-item]
+            lambda: {"upstreams": {}},
+            tokens_by_hour=self.tokens_by_hour,
+            sample_interval=10,
+        )
+        self.addCleanup(self.page.stop)
+
+    async def tokens_by_hour(self, first: int) -> list[tuple[str, int, int, int]]:
+        """The ledger: each read waits until the test answers it."""
+        answer: Deferred[list[tuple[str, int, int, int]]] = Deferred()
+        self.reads.append((first, answer))
+        return await answer
+
+    def subscribe(self) -> tuple[FakeRequest, Deferred[None]]:
+        request = FakeRequest()
+        subscription = self.page.subscribe(request)  # type: ignore[arg-type]
+        assert isinstance(subscription, Deferred)
+        subscription.addErrback(lambda f: f.trap(CancelledError))
+        return request, subscription
+
+    def generating(self, output_tokens: int) -> Any:
+        record = self.telemetry.start("req_x", "messages", b"POST", b"/llm/v1/messages")
+        record.queue_wait, record.input_tokens, record.output_tokens = 0.0, 100, output_tokens
+        return record
+
+    def test_samples_are_taken_while_nobody_watches_and_a_stream_starts_with_them(self) -> None:
+        self.page.start()
+        record = self.generating(0)
+        self.replica.held = 1
+        self.slots.acquire()
+        waiter = self.slots.acquire().addErrback(lambda f: f.trap(CancelledError))
+        self.clock.advance(10)
+        record.output_tokens = 50
+        self.clock.advance(10)
+        request, _ = self.subscribe()
+        (event, first), *_ = request.events()
+        self.assertEqual(event, "snapshot")
+        history = first["history"]
+        self.assertEqual((history["interval"], history["size"]), (10, 360))
+        self.assertEqual(history["fields"][:4], ["at", "slots", "in_use", "waiting"])
+        self.assertEqual(
+            history["samples"],
+            [
+                [NOON, 2, 0, 0, 0.0, 0.0],
+                [NOON + 10, 2, 1, 1, 10.0, 0.0],
+                [NOON + 20, 2, 1, 1, 0.0, 5.0],
+            ],
+        )
+        waiter.cancel()
+        self.telemetry.finish(record)
+        self.clock.advance(10)
+        samples = [data["sample"] for event, data in request.events() if event == "sample"]
+        self.assertEqual(samples, [[NOON + 30, 2, 1, 0, 0.0, 0.0]])
+        later = [data for event, data in request.events() if event == "snapshot"][1:]
+        self.assertNotIn("history", later[0], "only the first frame carries the hour")
+
+    def test_a_reader_that_missed_a_sample_gets_the_whole_hour_again(self) -> None:
+        self.page.start()
+        request, _ = self.subscribe()
+        request.producer.pauseProducing()
+        for _ in range(3):
+            self.clock.advance(10)
+        self.assertEqual(len(request.written), 1)
+        request.producer.resumeProducing()
+        (event, again) = request.events()[-1]
+        self.assertEqual(event, "snapshot")
+        self.assertEqual(len(again["history"]["samples"]), 4)
+        self.assertNotIn("sample", [event for event, _ in request.events()])
+
+    def test_a_reload_changes_the_interval_and_keeps_the_samples(self) -> None:
+        self.page.start()
+        self.page.set_sample_interval(30)
+        self.clock.advance(29)
+        self.assertEqual(len(self.page.history.samples), 1)
+        self.clock.advance(1)
+        self.assertEqual([s.at for s in self.page.history.samples], [NOON, NOON + 30])
+
+    def test_usage_is_read_when_a_stream_opens_and_once_a_minute_while_one_is_open(self) -> None:
+        first, leaving = self.subscribe()
+        self.assertEqual([at for at, _ in self.reads], [NOON - 43200 - 13 * 86400])
+        second, _ = self.subscribe()  # joins the read under way
+        self.assertEqual(len(self.reads), 1)
+        self.reads[0][1].callback([("frontend", NOON, 1000, 200), ("10.0.0.7", NOON, 5, 1)])
+        for request in (first, second):
+            (usage,) = [data for event, data in request.events() if event == "usage"]
+            self.assertEqual(usage["days"][-1], "2026-12-02")
+            self.assertEqual(
+                [(row["client"], row["output_tokens"][-1]) for row in usage["clients"]],
+                [("frontend", 200), ("10.0.0.7", 1)],
+            )
+        third, _ = self.subscribe()
+        self.assertEqual(third.events()[1][0], "usage", "the last read, at once")
+        self.assertEqual(len(self.reads), 2)
+        self.reads[1][1].errback(RuntimeError("disk gone"))
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        self.clock.advance(USAGE_INTERVAL)
+        self.assertEqual(len(self.reads), 3)
+        self.reads[2][1].callback([])
+        leaving.cancel()
+        for request in (second, third):
+            request.producer.stopProducing()
+        self.assertEqual(self.clock.getDelayedCalls(), [])  # nobody watches: no read is due
+
+
 class PageAndStream(TestCase):
     """The real gateway and stub on loopback sockets."""
 
@@ -325,7 +456,7 @@ class PageAndStream(TestCase):
 
     @staticmethod
     def snapshots(response: RawResponse) -> list[dict[str, Any]]:
-        return [data for _, data in response.frames()]
+        return [data for event, data in response.frames() if event == "snapshot"]
 
     @async_test
     async def test_the_root_sends_a_browser_to_the_page(self) -> None:

@@ -46,11 +46,17 @@ def hour_of(at: float) -> int:
     return int(at // HOUR) * HOUR
 
 
+def counted(record: RequestRecord) -> bool:
+    """Whether the ledger counts a finished request: not if it is on no LLM surface, nor if
+    it has no served model (refused before it named one)."""
+    return record.surface in SURFACES and record.served_model is not None
+
+
 def key_of(record: RequestRecord, at: float) -> Key | None:
-    """The bucket of a request that finished at `at`; None for one the ledger leaves out (not
-    an LLM surface, or no served model: refused before it named one)."""
-    if record.surface not in SURFACES or record.served_model is None:
+    """The bucket of a request that finished at `at`; None for one the ledger leaves out."""
+    if not counted(record):
         return None
+    assert record.served_model is not None
     outcome = record.outcome or "completed"
     return (record.client, record.served_model, record.surface, hour_of(at), outcome)
 

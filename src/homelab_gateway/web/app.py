@@ -89,7 +89,13 @@ class GatewayApp:
         self.ledger = ledger
         self.quotas = quotas
         self.metrics_resource = MetricsResource(telemetry.registry)
-        self.status_page = StatusPage(messages.clock, telemetry, pools, self.status_document)
+        self.status_page = StatusPage(
+            messages.clock,
+            telemetry,
+            pools,
+            self.status_document,
+            tokens_by_hour=ledger.tokens_by_hour,
+        )
 
     def _work(
         self, request: IRequest, surface: str, work: Work, *, shape: Shape, respond: bool = False

@@ -180,6 +180,191 @@ function render(snapshot) {
   renderFinished(snapshot.finished || [], snapshot.now);
 }
 
+// --- charts -----------------------------------------------------------------------------
+// Drawn as inline SVG from the gateway's own samples: a stream's first snapshot carries the
+// last hour (`history`), each `sample` event adds one, each `usage` event redraws the days.
+// A line chart's points are in the data's own units (x: seconds before the newest sample,
+// y: the value), mapped onto the plot by one transform, so the SVG holds the real numbers.
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const PLOT = { width: 480, height: 150, left: 42, right: 10, top: 8, bottom: 20 };
+const DAYS_PLOT = { width: 960, height: 180, left: 48, right: 10, top: 8, bottom: 20 };
+const compact = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
+const hours = { interval: 10, size: 360, samples: [], fields: null };
+let lastUsage = null;
+
+function sized(svg, plot) {
+  // The plot as wide as the SVG is drawn, so that its text is the page's size at any width.
+  const width = Math.max(240, Math.round(svg.getBoundingClientRect().width)) || plot.width;
+  svg.setAttribute("viewBox", `0 0 ${width} ${plot.height}`);
+  return { ...plot, width };
+}
+
+function svgEl(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, String(value));
+  for (const child of children) node.append(child instanceof Node ? child : String(child));
+  return node;
+}
+
+function niceMax(value) {
+  // The smallest 1, 2 or 5 times a power of ten at or above `value`: round axis labels.
+  if (!(value > 0)) return 1;
+  const power = 10 ** Math.floor(Math.log10(value));
+  return [1, 2, 5, 10].map((m) => m * power).find((top) => top >= value * (1 - 1e-9));
+}
+
+function ago(seconds) {
+  if (seconds <= 0) return "now";
+  return seconds >= 120 ? `${Math.round(seconds / 60)} min ago` : `${Math.round(seconds)} s ago`;
+}
+
+function yAxis(plot, top, format) {
+  const grid = svgEl("g", { class: "grid" });
+  const inner = plot.height - plot.top - plot.bottom;
+  for (const share of [0, 0.5, 1]) {
+    const y = plot.top + inner * (1 - share);
+    grid.append(svgEl("line", { x1: plot.left, x2: plot.width - plot.right, y1: y, y2: y }),
+      svgEl("text", { x: plot.left - 5, y: y + 3.5, "text-anchor": "end" }, format(top * share)));
+  }
+  return grid;
+}
+
+function legend(figure, items) {
+  // items: [class, label, value]; the value as text, never markup.
+  figure.querySelector(".legend").replaceChildren(...items.map(([cls, label, value]) =>
+    el("span", {}, el("span", { class: `swatch ${cls}` }), label, " ", el("b", {}, value))));
+}
+
+function lineChart(id, series, floor, format) {
+  // series: [{name, cls, points: [[x, y], ...]}], x from -span to 0; `floor`: the least top.
+  const figure = $(id);
+  const svg = figure.querySelector("svg");
+  const plot = sized(svg, PLOT);
+  const span = hours.size * hours.interval;
+  const values = series.flatMap((s) => s.points.map(([, y]) => y));
+  const top = niceMax(Math.max(floor, ...values));
+  const width = plot.width - plot.left - plot.right;
+  const height = plot.height - plot.top - plot.bottom;
+  const ticks = svgEl("g", { class: "grid" });
+  for (const [share, anchor] of [[0, "start"], [0.5, "middle"], [1, "end"]]) {
+    ticks.append(svgEl("text", { x: plot.left + width * share, y: plot.height - 5, "text-anchor": anchor },
+      ago(span * (1 - share))));
+  }
+  const area = svgEl("g", {
+    class: "plot",
+    transform: `translate(${plot.left} ${plot.top + height}) scale(${width / span} ${-height / top}) translate(${span} 0)`,
+  });
+  for (const s of series) {
+    const points = s.points.map(([x, y]) => `${x},${y}`).join(" ");
+    if (s.fill && s.points.length) {
+      const first = s.points[0][0];
+      const last = s.points[s.points.length - 1][0];
+      area.append(svgEl("polygon", { class: "area", points: `${first},0 ${points} ${last},0` }));
+    }
+    area.append(svgEl("polyline", {
+      class: `series ${s.cls}`, "data-series": s.name, points, "vector-effect": "non-scaling-stroke",
+    }));
+  }
+  const children = [yAxis(plot, top, format), ticks, area];
+  if (!values.length) {
+    children.push(svgEl("text", { class: "empty", x: plot.width / 2, y: plot.height / 2, "text-anchor": "middle" },
+      "no samples yet"));
+  }
+  svg.replaceChildren(...children);
+}
+
+function drawHistory() {
+  const samples = hours.samples;
+  const newest = samples.length ? samples[samples.length - 1] : null;
+  const span = hours.size * hours.interval;
+  const shown = newest ? samples.filter((s) => newest.at - s.at <= span) : [];
+  const series = (field) => shown.map((s) => [Number((s.at - newest.at).toFixed(3)), s[field]]);
+  $("history-span").textContent = `one sample every ${seconds(hours.interval)}`;
+  lineChart("chart-slots", [
+    { name: "slots", cls: "slots", points: series("slots") },
+    { name: "in_use", cls: "in-use", points: series("in_use"), fill: true },
+    { name: "waiting", cls: "waiting", points: series("waiting") },
+  ], 2, (v) => String(Math.round(v)));
+  lineChart("chart-output", [{ name: "output_per_s", cls: "output", points: series("output_per_s") }],
+    1, (v) => compact.format(v));
+  lineChart("chart-input", [{ name: "input_per_s", cls: "input", points: series("input_per_s") }],
+    1, (v) => compact.format(v));
+  for (const id of ["chart-slots", "chart-output", "chart-input"]) {
+    $(id).querySelector("svg").dataset.newest = newest ? newest.at : ""; // where x = 0 is
+  }
+  const now = newest || { slots: 0, in_use: 0, waiting: 0, output_per_s: 0, input_per_s: 0 };
+  legend($("chart-slots"), [
+    ["in-use", "in use", `${now.in_use} / ${now.slots}`], ["waiting", "waiting", now.waiting],
+    ["slots", "slots", now.slots],
+  ]);
+  const peak = (field) => compact.format(Math.max(0, ...shown.map((s) => s[field])));
+  legend($("chart-output"), [["output", "now", compact.format(now.output_per_s)], ["output", "peak", peak("output_per_s")]]);
+  legend($("chart-input"), [["input", "now", compact.format(now.input_per_s)], ["input", "peak", peak("input_per_s")]]);
+}
+
+function receiveHistory(ring) {
+  hours.interval = ring.interval;
+  hours.size = ring.size;
+  hours.fields = ring.fields;
+  hours.samples = ring.samples.map((row) => Object.fromEntries(ring.fields.map((f, i) => [f, row[i]])));
+  drawHistory();
+}
+
+function receiveSample(row) {
+  if (!hours.fields) return; // before the first snapshot: it brings the whole hour
+  hours.samples.push(Object.fromEntries(hours.fields.map((f, i) => [f, row[i]])));
+  if (hours.samples.length > hours.size) hours.samples.splice(0, hours.samples.length - hours.size);
+  drawHistory();
+}
+
+function drawDays(usage) {
+  // Stacked bars: each day's tokens (input + output) by client, the title of each its numbers.
+  lastUsage = usage;
+  const figure = $("chart-days");
+  const svg = figure.querySelector("svg");
+  const plot = sized(svg, DAYS_PLOT);
+  const days = usage.days;
+  const rows = usage.clients.map((row, i) => ({
+    name: row.others !== undefined ? `${row.others} other clients` : row.client,
+    client: row.others !== undefined ? "" : row.client,
+    cls: row.others !== undefined ? "c8" : `c${i % 8}`,
+    input: row.input_tokens,
+    output: row.output_tokens,
+  }));
+  const totals = days.map((_, d) => rows.reduce((sum, r) => sum + r.input[d] + r.output[d], 0));
+  const top = niceMax(Math.max(10, ...totals));
+  const width = plot.width - plot.left - plot.right;
+  const height = plot.height - plot.top - plot.bottom;
+  const step = width / days.length;
+  const bars = svgEl("g", { class: "bars" });
+  const labels = svgEl("g", { class: "grid" });
+  days.forEach((day, d) => {
+    let base = plot.top + height;
+    for (const r of rows) {
+      const tokens = r.input[d] + r.output[d];
+      if (!tokens) continue;
+      const tall = (tokens / top) * height;
+      base -= tall;
+      bars.append(svgEl("rect", {
+        class: r.cls, x: plot.left + d * step + step * 0.15, y: base, width: step * 0.7, height: tall,
+        "data-client": r.client, "data-day": day, "data-tokens": tokens,
+      }, svgEl("title", {}, `${r.name}, ${day}: ${tokens.toLocaleString()} tokens ` +
+        `(${r.input[d].toLocaleString()} in, ${r.output[d].toLocaleString()} out)`)));
+    }
+    labels.append(svgEl("text", { x: plot.left + (d + 0.5) * step, y: plot.height - 5, "text-anchor": "middle" },
+      day.slice(5)));
+  });
+  const children = [yAxis(plot, top, (v) => compact.format(v)), labels, bars];
+  if (!rows.length) {
+    children.push(svgEl("text", { class: "empty", x: plot.width / 2, y: plot.height / 2, "text-anchor": "middle" },
+      "no tokens counted in these days"));
+  }
+  svg.replaceChildren(...children);
+  legend(figure, rows.map((r) => [r.cls, r.name,
+    compact.format(r.input.reduce((a, b) => a + b, 0) + r.output.reduce((a, b) => a + b, 0))]));
+}
+
 // --- the event stream -------------------------------------------------------------------
 
 function dispatch(block) {
@@ -195,7 +380,13 @@ function dispatch(block) {
     if (field === "event") event = value;
     else if (field === "data") data.push(value);
   }
-  if (event === "snapshot" && data.length) render(JSON.parse(data.join("\n")));
+  if (!data.length) return;
+  const payload = JSON.parse(data.join("\n"));
+  if (event === "snapshot") {
+    render(payload);
+    if (payload.history) receiveHistory(payload.history);
+  } else if (event === "sample") receiveSample(payload.sample);
+  else if (event === "usage") drawDays(payload);
 }
 
 function retry() {
@@ -272,6 +463,10 @@ document.addEventListener("DOMContentLoaded", () => {
   $("forget-key").addEventListener("click", () => {
     sessionStorage.removeItem(KEY_ITEM);
     location.reload();
+  });
+  window.addEventListener("resize", () => {
+    if (hours.fields) drawHistory();
+    if (lastUsage) drawDays(lastUsage);
   });
   connect();
 });
