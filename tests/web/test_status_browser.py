@@ -346,6 +346,10 @@ def test_health_and_a_models_line_are_shown_where_the_gateway_says_and_names_sta
                 "box-b": {"slots": 4, "in_use": 0, "health": "half-open", "waiting": 0},
             },
             "models": {"reasoning": line},
+            "clients": {
+                "nightly": {"max_in_flight": 2, "in_flight": {"box-a+box-b": 1}},
+                trap: {"tokens_per_day": 200000, "tokens_used": 1234},
+            },
             "in_flight": [],
             "in_flight_total": 0,
             "finished": [],
@@ -358,6 +362,8 @@ def test_health_and_a_models_line_are_shown_where_the_gateway_says_and_names_sta
     expect(page.locator("#model-section")).to_be_visible()
     expect(page.locator('[data-model="reasoning"] .waiting')).to_have_text("2")
     expect(page.locator("#uptime")).to_have_text("1d 1h")
+    expect(page.locator('#clients tr[data-client="nightly"] .held')).to_have_text("1")
+    expect(page.locator("#clients tbody tr").nth(1).locator(".used")).to_have_text("1234")
     expect(box.locator("td", has_text=trap)).to_have_count(1)  # the name, as text
     assert page.locator("img").count() == 0
     assert page.title() != "1"

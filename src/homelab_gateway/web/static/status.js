@@ -161,6 +161,20 @@ function renderFinished(rows, now) {
   if (!rows.length) body.append(el("tr", {}, el("td", { class: "empty", colspan: 11 }, "nothing yet")));
 }
 
+function renderClients(clients) {
+  // The clients with a max_in_flight or a tokens_per_day: what they hold, what they used.
+  const rows = Object.entries(clients || {});
+  $("client-section").hidden = !rows.length;
+  $("clients").tBodies[0].replaceChildren(...rows.map(([name, c]) => {
+    const held = c.in_flight ? Object.values(c.in_flight).reduce((a, b) => Math.max(a, b), 0) : null;
+    return el("tr", { "data-client": name },
+      el("td", {}, name), el("td", { class: "num held" }, number(held)),
+      el("td", { class: "num" }, number(c.max_in_flight)),
+      el("td", { class: "num used" }, number(c.tokens_used)),
+      el("td", { class: "num" }, number(c.tokens_per_day)));
+  }));
+}
+
 function render(snapshot) {
   $("version").textContent = snapshot.version;
   $("uptime").textContent = seconds(snapshot.uptime_s);
@@ -176,6 +190,7 @@ function render(snapshot) {
   const models = snapshot.models;
   $("model-section").hidden = !models || !Object.keys(models).length;
   if (models) $("models").replaceChildren(...Object.entries(models).map(([n, e]) => modelCard(n, e)));
+  renderClients(snapshot.clients);
   renderInFlight(snapshot.in_flight || [], snapshot.in_flight_total || 0);
   renderFinished(snapshot.finished || [], snapshot.now);
 }
