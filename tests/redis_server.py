@@ -5,6 +5,7 @@ directory, without persistence: a restart is Redis losing its data."""
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -90,6 +91,15 @@ class RedisServer:
             self.popen.kill()
             self.popen.wait(10)
         self.popen = None
+
+    def pause(self) -> None:
+        """SIGSTOP: a slow disk, a fork for a snapshot, a VM's hiccup. Its sockets stay open."""
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         self.stop()

@@ -5,6 +5,7 @@ with SIGKILL loses nothing for the other."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from tests.processes import Process, start_gateway, start_stub, wait_until
 from tests.redis_server import RedisServer
 
 LEASE = 2
+GRACE = 4  # seconds Redis may be away before waiters get 529
 
 
 def config(stub_url: str, redis_url: str, instance: str) -> str:
@@ -35,6 +37,7 @@ upstream = "vllm"
 redis_url = "{redis_url}"
 instance = "{instance}"
 lease = {LEASE}
+outage_grace = {GRACE}
 """
 
 
@@ -119,7 +122,14 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         gateways.append(process)
         urls.append(url)
     wait_until(lambda: all(get(u + "/llm/v1/status")["cluster"]["redis"] == "up" for u in urls))
-    yield {"urls": urls, "gateways": gateways, "stub": stub, "stub_url": stub_url, "redis": redis}
+    yield {
+        "urls": urls,
+        "gateways": gateways,
+        "stub": stub,
+        "stub_url": stub_url,
+        "stub_log": tmp_path / "stub.log",
+        "redis": redis,
+    }
     for process in gateways:
         if process.popen.poll() is None:
             assert process.stopped_cleanly(), process.all_output()
@@ -219,10 +229,50 @@ def ready(url: str) -> int:
         return e.code
 
 
-def test_redis_stopped_mid_load_then_restarted_empty(cluster: dict[str, Any]) -> None:
+def starts(log: Path) -> list[str]:
+    """The prompts the stub began to answer, in order, from its own log."""
+    return re.findall(r" start id=\S+ .*prompt=(\S+)", log.read_text())
+
+
+@pytest.mark.parametrize("outage", ["paused for 2 s", "restarted empty after 1 s"])
+def test_redis_away_mid_load_loses_nobodys_place(cluster: dict[str, Any], outage: str) -> None:
+    """Two slots, two answers running and eight waiting over both gateways: Redis goes away
+    and comes back, and all ten are answered, the upstream never above two, none twice."""
     a, b = cluster["urls"]
     stub_url, redis = cluster["stub_url"], cluster["redis"]
-    # Two answers of about 3 s that run through the outage, and one request waiting behind.
+    streams = [Stream((a, b)[i % 2], f"hello {outage} {i}", max_tokens=60) for i in range(2)]
+    wait_until(lambda: stub_stats(stub_url)["in_flight"] == 2)
+    streams += [Stream((a, b)[i % 2], f"hello {outage} {i}", max_tokens=60) for i in range(2, 10)]
+    wait_until(lambda: waiting(a) == 8 and waiting(b) == 8)
+    if outage.startswith("paused"):
+        redis.pause()
+        time.sleep(2)  # the outage itself: its length is the scenario
+        redis.resume()
+        for gateway in cluster["gateways"]:  # 2 s is twice what a command may wait (lease/2)
+            gateway.wait_for_line(r"lost the shared line .*waiters keep their place")
+    else:
+        redis.stop()
+        time.sleep(1)
+        redis.start()  # on the same port, with none of its data
+    for gateway in cluster["gateways"]:
+        gateway.wait_for_line(r"the shared line at .* is back after")
+    for stream in streams:
+        stream.join(90)
+        assert stream.completed, (stream.prompt, stream.status, stream.events[-3:], stream.error)
+    assert stub_stats(stub_url)["max_in_flight"] <= 2
+    started = starts(cluster["stub_log"])
+    assert len(started) == len(set(started)) == 10, started
+    for url in (a, b):
+        wait_until(lambda url=url: idle(url))
+    assert redis.command("HLEN", "hgw:upstream:vllm:slots") == 0  # nothing left held
+    assert redis.command("HLEN", "hgw:line:vllm:waiting") == 0
+
+
+def test_past_the_outage_grace_waiters_get_529_and_new_requests_too(
+    cluster: dict[str, Any],
+) -> None:
+    a, b = cluster["urls"]
+    stub_url, redis = cluster["stub_url"], cluster["redis"]
     running = [Stream(a, "long", max_tokens=150), Stream(b, "long", max_tokens=150)]
     wait_until(lambda: stub_stats(stub_url)["in_flight"] == 2)
     queued = Stream(b, "hello queued")
@@ -230,17 +280,17 @@ def test_redis_stopped_mid_load_then_restarted_empty(cluster: dict[str, Any]) ->
     redis.stop()
     wait_until(lambda: all(get(u + "/llm/v1/status")["cluster"]["redis"] == "down" for u in (a, b)))
     assert (ready(a), ready(b)) == (503, 503)
+    queued.join(GRACE + 20)  # waits out the grace, then hears why
+    assert queued.status == 200 and "error" in queued.events and not queued.completed
     refused = Stream(a, "hello refused")
     refused.join(20)
     assert (refused.status, refused.retry_after) == (529, "5"), refused.error
-    queued.join(20)
-    assert queued.status == 200 and "error" in queued.events and not queued.completed
     redis.start()
     wait_until(lambda: all(get(u + "/llm/v1/status")["cluster"]["redis"] == "up" for u in (a, b)))
     for stream in running:  # they held their slots through the outage and ran to the end
         stream.join(60)
         assert stream.completed, (stream.status, stream.events[-3:], stream.error)
-    after = [Stream((a, b)[i % 2], f"hello after {i}") for i in range(6)]
+    after = [Stream((a, b)[i % 2], f"hello after {i}") for i in range(4)]
     for stream in after:
         stream.join(60)
         assert stream.completed, (stream.status, stream.events[-3:], stream.error)

@@ -101,6 +101,7 @@ class Cluster:
         self._reader: Any = None
         self._watchdog: LoopingCall | None = None
         self._grace: IDelayedCall | None = None  # ends the outage's grace
+        self._joined_at = 0.0
         self._seq = 0
         self._last_id = "0-0"
         self._epoch: str | None = None
@@ -254,6 +255,7 @@ class Cluster:
                 seconds=self.reactor.seconds() - self.lost_at,
             )
         self.lost_at = None
+        self._joined_at = self.reactor.seconds()
         self._renewal = LoopingCall(self._tick)
         self._renewal.clock = self.reactor
         self._renewal.start(self.config.lease / 3, now=False).addErrback(self._renewal_failed)
@@ -268,10 +270,14 @@ class Cluster:
 
     async def _tick(self) -> None:
         """Every third of a lease: renew it, sweep the silent, and let each line claim what
-        its copy shows free (a claim lost to a race is retried here at the latest)."""
+        its copy shows free (a claim lost to a race is retried here at the latest). Nobody is
+        swept for `SETTLE` seconds after this gateway (re)joins: after Redis was away (paused,
+        its leases run out meanwhile), every gateway renews its lease within its back-off."""
         await self._renew()
+        sweep = self.reactor.seconds() - self._joined_at >= SETTLE
         for line in list(self.lines.values()):
-            await self.line_call(line, "sweep")
+            if sweep:
+                await self.line_call(line, "sweep")
             line.refresh()
 
     def _renewal_failed(self, failure: Any) -> None:

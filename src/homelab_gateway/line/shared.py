@@ -504,13 +504,17 @@ class RedisSource:
         item = self._items.pop(w, None)
         if item is None:
             return
+        d = self._local.pop(w, None)
+        swept = d is not None and not d.called  # Redis took this gateway for dead: it is not
+        entry = self._waiting_entry(item, t) if swept else None
         self._ids.pop(item, None)
         self._cancelled.discard(w)
         self.line.dequeue(item, t)
-        d = self._local.pop(w, None)
-        if d is not None and not d.called:  # swept: Redis took this gateway for dead
+        if entry is not None:  # back in line with its first arrival, under a new id
             self._requests.pop(w, None)
-            d.errback(Unavailable("this gateway's lease on the shared line expired"))
+            d, request, arrived = entry
+            request.listener = self.line.listener_of(d)
+            self._ask(request, arrived, d)
 
     def _on_verdict(self, event: Mapping[str, Any], t: float) -> None:
         replica = self._member(event["r"])
