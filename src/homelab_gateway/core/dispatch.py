@@ -243,16 +243,19 @@ class Dispatch(Generic[T]):
 
     def join(
         self, item: T, client: str, rank: int, arrived: float, want: Want | None, retry: bool
-    ) -> None:
-        """`item` waits: in the line, or (a retry: it had reached the head once) ahead of it."""
+    ) -> bool:
+        """`item` waits: in the line, or (a retry: it had reached the head once) ahead of it.
+        False if it went ahead of its client's waiters of its class (`Line.join`)."""
+        last = True
         if retry:
             self._retries[item] = (client, rank, arrived)
         else:
-            self.line.join(item, client, rank, arrived)
+            last = self.line.join(item, client, rank, arrived)
             if want is not None and want.restricted:
                 self._restricted += 1
         if want is not None:
             self._wants[item] = want
+        return last
 
     def leave(self, item: T) -> bool:
         """A waiter that gave up leaves; True if that may have moved another waiter back."""

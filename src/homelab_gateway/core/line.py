@@ -193,11 +193,13 @@ class Line(Generic[T]):
             client = self._clients[name] = _Client(name, self.weights.get(name, 1.0), self._created)
         return client
 
-    def join(self, item: T, client: str, rank: int, now: float) -> None:
+    def join(self, item: T, client: str, rank: int, now: float) -> bool:
         """`item` waits from `now`: earlier for a waiter moved from another line or joining
-        again after Redis was away, which goes by its arrival among its client's."""
+        again after Redis was away, which goes by its arrival among its client's. True if it
+        is the last of its client's class (False: those behind it moved back)."""
         waiter = Waiter(item, client, rank, now)
         self._waiters[item] = waiter
+        last = True
         state = self._client(client)
         queue = state.queues.get(rank)
         if queue is None:
@@ -215,6 +217,7 @@ class Line(Generic[T]):
             queue.insert(at, waiter)
             if not at:
                 self._new_head(queue)
+            last = False
         self._will_age(waiter)
         if not state.waiting:
             self._busy += 1
@@ -226,6 +229,7 @@ class Line(Generic[T]):
             self._latest, self._at_latest = now, 1
         elif now == self._latest:
             self._at_latest += 1
+        return last
 
     def leave(self, item: T) -> bool:
         """Remove a waiter that gave up (cancelled, timed out). True if that may have moved

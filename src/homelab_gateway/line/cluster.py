@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import txredisapi
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, fail
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.error import ConnectError
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.ssl import optionsForClientTLS
@@ -46,8 +47,9 @@ WATCH_STEP = 0.25  # seconds between the watchdog's turns (`core.liveness`)
 READ_BATCH = 1000
 BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
 SETTLE = BACKOFF[1] + 2.0
-"""After Redis lost its data, no slot is granted for this long: every gateway that was linked
-reconnects within its longest back-off, rebuilds and counts its running requests again first."""
+"""After Redis lost its data, no slot is granted for at least this long: every gateway that was
+linked reconnects within its longest back-off (plus one attempt: `Cluster.settle`), rebuilds
+and counts its running requests again first."""
 
 
 LINK_FAILURES = (txredisapi.RedisError, ValueError, OSError, ConnectError, TimeoutError)
@@ -107,6 +109,8 @@ class Cluster:
         self.address = (config.host, config.port)
         self._primary = Primary(config, reactor, self._switched) if config.sentinels else None
         self._failed_over = False  # linked to another primary than before: count again
+        # How long one attempt to reach Redis may take: the connection, and the Sentinels.
+        self._attempt = min(5.0, config.lease / 2) + (config.lease if config.sentinels else 0.0)
         self._seq = 0
         self._last_id = "0-0"
         self._epoch: str | None = None
@@ -120,6 +124,12 @@ class Cluster:
     def in_grace(self) -> bool:
         """Whether the link is lost since less than `outage_grace`: waiters wait it out."""
         return self._grace is not None
+
+    @property
+    def settle(self) -> float:
+        """Seconds without grants after Redis lost data, and without sweeps after a (re)join:
+        the longest back-off and one attempt, in which every gateway is back."""
+        return SETTLE + self._attempt
 
     def key(self, *parts: str) -> str:
         return self.config.prefix + ":".join(parts)
@@ -209,8 +219,8 @@ class Cluster:
         # lag as much as by Redis; the watchdog judges it by Redis's answers (`Liveness`).
         commands = Liveness(config.lease / 2, WATCH_STEP)
         reader = Liveness(READ_BLOCK_MS / 1000 + config.lease / 2, WATCH_STEP)
-        self._commands = Watched(await txredisapi.Connection(host, port, **options), commands)
-        self._reader = Watched(await txredisapi.Connection(host, port, **options), reader)
+        self._commands = Watched(await self._open(host, port, options), commands)
+        self._reader = Watched(await self._open(host, port, options), reader)
         self._watchdog = LoopingCall(self._watch, commands, reader)
         self._watchdog.clock = self.reactor
         self._watchdog.start(WATCH_STEP)
@@ -219,6 +229,21 @@ class Cluster:
             if role[0] != "master":  # a Sentinel's answer from before a failover
                 raise txredisapi.ConnectionError(f"{self._where()} is a {role[0]} now")
             self._primary.watch()
+
+    async def _open(self, host: str, port: int, options: dict[str, Any]) -> Any:
+        """One connection, ready (its AUTH and SELECT answered) within one attempt's time: a
+        Redis that takes the connection and never answers is an attempt that failed."""
+        connection = txredisapi.lazyConnection(host, port, **options)
+        timeout = self._attempt + self.config.lease / 2
+        try:  # `_connected`: the factory's Deferred of its first connection (txredisapi 1.6)
+            await connection._connected.addTimeout(timeout, self.reactor)
+        except BaseException as e:
+            with suppress(Exception):
+                await connection.disconnect()
+            if isinstance(e, DeferredTimeout):
+                raise TimeoutError(f"{host}:{port} did not answer in {timeout:g}s") from None
+            raise
+        return connection
 
     def _switched(self, address: str) -> None:
         """A Sentinel promoted another primary: drop the link, to connect there."""
@@ -265,6 +290,11 @@ class Cluster:
         await self.rebuild()
         self.live = True
         self._end_grace()
+        for (line_key, slot), args in list(self.unsent.items()):  # given back while rebuilding
+            line = self.lines.get(line_key)
+            if line is not None:
+                self.line_call(line, "release", slot, *args).addErrback(self._not_rebuilt)
+            del self.unsent[(line_key, slot)]
         if self.lost_at is not None:
             log.info(
                 "the shared line at {url} is back after {seconds:.1f}s: its waiters are in "
@@ -295,7 +325,7 @@ class Cluster:
         swept for `SETTLE` seconds after this gateway (re)joins: after Redis was away (paused,
         its leases run out meanwhile), every gateway renews its lease within its back-off."""
         await self._renew()
-        sweep = self.reactor.seconds() - self._joined_at >= SETTLE
+        sweep = self.reactor.seconds() - self._joined_at >= self.settle
         for line in list(self.lines.values()):
             if sweep:
                 await self.line_call(line, "sweep")
@@ -362,7 +392,7 @@ class Cluster:
         elif self._epoch is not None and epoch != self._epoch:
             log.warn("the shared line's Redis lost its data: counting running requests again")
         if self._failed_over or (self._epoch is not None and epoch != self._epoch):
-            await self._commands.set(self.key("settling"), "1", pexpire=int(SETTLE * 1000))
+            await self._commands.set(self.key("settling"), "1", pexpire=int(self.settle * 1000))
         self._failed_over = False
         self._epoch = epoch
 
@@ -383,6 +413,8 @@ class Cluster:
         if self.live:
             self._awaiting[line] = []
             ensureDeferred(self.rebuild([line])).addErrback(self._not_rebuilt)
+        else:  # nothing is granted from it until Redis is back, as from the others
+            line.lost()
 
     def _line_keys(self, line: RedisSource) -> tuple[str, list[str]]:
         """The keys of `line`'s waiters and of its upstreams' slots (see `scripts`)."""

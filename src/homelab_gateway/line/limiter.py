@@ -322,21 +322,26 @@ class PositionedSemaphore(DeferredSemaphore):
             d.addBoth(self._leave_line, d)
         return d
 
-    def enqueue(self, item: Any, request: Request, arrived: float) -> None:
-        """`item` waits (told nothing: `wait` tells)."""
-        self.dispatch.join(item, request.client, request.rank, arrived, request.want, request.retry)
+    def enqueue(self, item: Any, request: Request, arrived: float) -> bool:
+        """`item` waits (told nothing: `wait` tells). False if it went ahead of waiters of
+        its client and class (it arrived before them: moved, or joining again)."""
+        dispatch = self.dispatch
+        last = dispatch.join(
+            item, request.client, request.rank, arrived, request.want, request.retry
+        )
         self.waiting.append(item)
+        return last
 
     def wait(self, item: Any, request: Request, arrived: float, now: float) -> None:
         """`item` waits: it is told its place, and those it went ahead of theirs. In a plain
         FIFO its place is the line's length, with no walk of the order (`python -m bench.burst`:
         5,000 waiters of one client would otherwise walk it once each)."""
-        self.enqueue(item, request, arrived)
+        last = self.enqueue(item, request, arrived)
         if request.listener is not None:
             self._listeners[item] = request.listener
         if not self._listeners:
             return
-        if self.dispatch.plain:  # a plain FIFO: the newcomer is its tail
+        if self.dispatch.plain and last:  # a plain FIFO: the newcomer is its tail
             if request.listener is not None:
                 self._tell(item, len(self.dispatch.line))
         else:
@@ -681,7 +686,7 @@ class InProcess:
             line.take_over(old, d)
             line.enqueue(d, Request(client, rank, want, retry, None), arrived)
             line.take_listener(old, d)
-        line.tell_rises(now)
+        line.tell_all(now)  # a waiter moved in may go ahead of others, in a plain FIFO too
         line.watch_aging(now)
 
     def close(self) -> None:

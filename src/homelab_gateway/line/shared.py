@@ -450,6 +450,7 @@ class RedisSource:
         self._mine[w] = slot
         self._requests.pop(w, None)
         d = self._local.pop(w, None)
+        self._ids.pop(d, None)
         if d is None or d.called:  # it gave up meanwhile: the slot goes straight back
             self._cancelled.discard(w)
             slot.release()
@@ -663,6 +664,9 @@ class RedisSource:
                 self.cluster.line_call(self, "leave", w).addErrback(_ignore)
             self._on_join({"w": w, "i": entry["i"], "a": entry["a"]}, now)
         for d, request, arrived in waited:  # waited out the outage: back in line, in place
+            if d.called:  # granted (it was served in its turn meanwhile), or given up
+                self._ids.pop(d, None)
+                continue
             if d in line.dispatch:  # Redis had it
                 continue
             w = self._ids.pop(d, None)
