@@ -246,8 +246,10 @@ class Cluster:
         return connection
 
     def _switched(self, address: str) -> None:
-        """A Sentinel promoted another primary: drop the link, to connect there."""
-        self.drop(f"Sentinel switched the primary to {address}")
+        """A Sentinel promoted another primary: drop the link, to connect there (each
+        Sentinel says so: once linked there, the others' word changes nothing)."""
+        if address != "{}:{}".format(*self.address):
+            self.drop(f"Sentinel switched the primary to {address}")
 
     def _watch(self, *links: Liveness) -> None:
         """A turn of the watchdog: a connection whose command Redis left unanswered for its
