@@ -123,8 +123,11 @@ def pick(rng: random.Random, weights: dict[str, int]) -> str:
     return rng.choices(list(weights), weights=list(weights.values()))[0]
 
 
-def cut_policy(behaviour: str, rng: random.Random) -> Any:
-    deltas = rng.randint(1, 6)
+def cut_policy(behaviour: str, deltas: int) -> Any:
+    """When a client of `behaviour` hangs up: at its first queue frame (or its first token if
+    it never waited), at its first token, or after `deltas` deltas; None: it reads it all.
+    `deltas` is the caller's, so that a run planned ahead from its seed (bench.chaos_cluster)
+    decides it with the rest of the request."""
 
     def cut(result: Result) -> bool:
         events = result.events
@@ -252,7 +255,10 @@ async def chaos(
         async with semaphore:
             started = time.monotonic()
             result = await request(
-                url + "/llm/v1/messages", body, cut=cut_policy(behaviour, rng), timeout=60
+                url + "/llm/v1/messages",
+                body,
+                cut=cut_policy(behaviour, rng.randint(1, 6)),
+                timeout=60,
             )
         finished += 1
         counts[f"{behaviour}:{'cut' if result.cut else result.status}"] += 1
