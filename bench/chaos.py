@@ -543,9 +543,20 @@ def drain_under_load(workdir: Path, clients: int = 16, slots: int = 3) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=None, help="60; 40 with --cluster")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="three gateways sharing one Redis, with gateway, Redis and upstream faults "
+        "(bench/chaos_cluster.py)",
+    )
     args = parser.parse_args()
+    if args.cluster:
+        from bench import chaos_cluster  # here: it builds on this module
+
+        sys.exit(0 if chaos_cluster.main(args.requests, args.concurrency or 40, args.seed) else 1)
+    args.concurrency = args.concurrency or 60
     with tempfile.TemporaryDirectory() as workdir:
         report = run(args.requests, args.concurrency, args.seed, Path(workdir))
     print(json.dumps(report, indent=2))
