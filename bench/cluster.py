@@ -308,6 +308,7 @@ def misbehaved(figures: dict[str, Any]) -> bool:
         or figures["reset"]
         or figures["other_errors"]
         or figures["non_200"]
+        or figures.get("link_losses")
     )
 
 
@@ -329,12 +330,15 @@ def run_shared_burst(workdir: Path, redis: Redis, each: int) -> dict[str, Any]:
         pids = [g.popen.pid for g in gateways.values()]
         measured = [(url, ProcessStats(pid)) for url, pid in zip(urls, pids, strict=True)]
         figures = asyncio.run(shared_burst(measured, redis, stub_url, log, each))
-        return figures
     finally:
         for process in processes:
             process.stop()
+        if figures is not None:  # a link judged lost while the reactors were saturated
+            outputs = [g.all_output() for g in gateways.values()]
+            figures["link_losses"] = sum(o.count("lost the shared line") for o in outputs)
         if figures is None or misbehaved(figures):
             keep_logs(gateways, log)
+    return figures
 
 
 def keep_logs(gateways: dict[str, Process], stub_log: Path) -> None:
@@ -362,7 +366,16 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=200)
     parser.add_argument("--clients", type=int, default=5000, help="waiters over both gateways")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false")
+    parser.add_argument(
+        "--bursts",
+        type=int,
+        default=0,
+        help="only the shared burst, this many times on fresh gateways and Redis: link losses",
+    )
     args = parser.parse_args()
+    if args.bursts:
+        repeat_bursts(args.bursts, args.clients)
+        return
     report: dict[str, Any] = {"machine": machine() | {"load_average_before": load_average()}}
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
@@ -386,6 +399,29 @@ def main() -> None:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     (RESULTS / f"cluster-{stamp}.json").write_text(json.dumps(report, indent=2))
     print(f"results: bench/results/cluster-{stamp}.json")
+
+
+def repeat_bursts(runs: int, clients: int) -> None:
+    """Scenario 2 again and again (issue 27: a saturated reactor must not lose the link)."""
+    lost = failed = 0
+    for run in range(1, runs + 1):
+        with tempfile.TemporaryDirectory() as directory:
+            server = RedisServer()
+            server.start()
+            try:
+                figures = run_shared_burst(Path(directory), Redis(server), clients // 2)
+            finally:
+                server.close()
+        lost += figures["link_losses"] > 0
+        failed += figures["clients"] - figures["completed"]
+        print(
+            f"run {run}: load {load_average()}, link losses {figures['link_losses']}, "
+            f"completed {figures['completed']}/{figures['clients']}, "
+            f"peak {figures['stub_peak_in_flight']}, "
+            f"queued in {figures['seconds_until_all_queued']}s",
+            flush=True,
+        )
+    print(f"{runs} runs: {lost} with a link loss, {failed} requests not completed")
 
 
 if __name__ == "__main__":

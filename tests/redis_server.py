@@ -22,9 +22,10 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, *options: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hg-redis-"))
         self.port = free_port()
+        self.options = options  # more of redis-server's options (--replicaof HOST PORT)
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,6 +49,7 @@ class RedisServer:
                 str(self.dir),
                 "--logfile",
                 str(self.dir / "redis.log"),
+                *self.options,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -104,3 +106,50 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SentinelSet:
+    """A primary, its replica and one Sentinel watching them as `MASTER` (quorum 1, down after
+    half a second): killing the primary promotes the replica within a few seconds."""
+
+    MASTER = "hg"
+
+    def __init__(self) -> None:
+        self.primary = RedisServer()
+        self.primary.start()
+        self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port))
+        self.replica.start()
+        self.dir = Path(tempfile.mkdtemp(prefix="hg-sentinel-"))
+        self.port = free_port()
+        config = self.dir / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"sentinel monitor {self.MASTER} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {self.MASTER} 500\n"
+            f"sentinel failover-timeout {self.MASTER} 2000\n"
+        )
+        self.sentinel = subprocess.Popen(
+            [REDIS_SERVER, str(config), "--sentinel", "--logfile", str(self.dir / "log")],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not self._sentinel_knows_the_replica():
+            time.sleep(0.05)
+
+    def _sentinel_knows_the_replica(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(f"SENTINEL REPLICAS {self.MASTER}\r\n".encode())
+                return str(self.replica.port).encode() in s.recv(65536)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.sentinel.poll() is None:
+            self.sentinel.kill()
+            self.sentinel.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.replica.close()
+        self.primary.close()

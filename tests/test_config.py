@@ -88,7 +88,12 @@ def test_the_documented_example_parses(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["homelab-gateway.toml", "homelab-gateway-replicas.toml", "homelab-gateway-cluster.toml"],
+    [
+        "homelab-gateway.toml",
+        "homelab-gateway-replicas.toml",
+        "homelab-gateway-cluster.toml",
+        "homelab-gateway-sentinel.toml",
+    ],
 )
 def test_shipped_example_config_parses(name: str) -> None:
     environ = {"VLLM_API_KEY": "k", "HOMELAB_GATEWAY_REDIS_PASSWORD": "pw"}
@@ -449,13 +454,42 @@ def test_the_cluster_section_as_redis_clients_spell_it() -> None:
         "pw",
         "gw-1",
     )
-    assert (plain.lease, plain.fallback_share) == (10.0, 0.0)
+    assert (plain.lease, plain.fallback_share, plain.outage_grace) == (10.0, 0.0, 30.0)
+
+
+def test_a_cluster_whose_redis_sentinel_manages() -> None:
+    config = parse_config(
+        tomllib.loads(
+            '[cluster]\nsentinels = ["10.0.0.5:26379", "sentinel-b.lan:26379", "[fd00::7]:26379"]\n'
+            'sentinel_master = "gateway"\ndb = 3\npassword_env = "P"\n'
+            'sentinel_password_env = "S"\noutage_grace = 12\ninstance = "gw-1"'
+        ),
+        environ={"P": "primary", "S": "sentinels"},
+    ).cluster
+    assert config is not None
+    assert config.sentinels == (
+        ("10.0.0.5", 26379),
+        ("sentinel-b.lan", 26379),
+        ("fd00::7", 26379),
+    )
+    assert (config.sentinel_master, config.db, config.outage_grace) == ("gateway", 3, 12.0)
+    assert (config.password, config.sentinel_password) == ("primary", "sentinels")
+    assert "sentinels'" not in repr(config) and "primary'" not in repr(config)
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
         ("[cluster]\nlease = 3", "cluster.redis_url: is required"),
+        ("[cluster]\nsentinels = ['s:1']", "cluster.sentinel_master: is required"),
+        ("[cluster]\nsentinels = ['s']\nsentinel_master = 'm'", "cluster.sentinels: each must"),
+        ("[cluster]\nsentinels = []\nsentinel_master = 'm'", "cluster.sentinels: must be an"),
+        (
+            "[cluster]\nsentinels = ['s:1']\nsentinel_master = 'm'\nredis_url = 'redis://x'",
+            "cluster.redis_url: give either redis_url or sentinels",
+        ),
+        ("[cluster]\nredis_url = 'redis://x'\ndb = 1", "cluster.db: only with sentinels"),
+        ("[cluster]\nredis_url = 'redis://x'\noutage_grace = 0", "cluster.outage_grace: must be"),
         ("[cluster]\nredis_url = 'http://x'", "cluster.redis_url: must be a redis:// or rediss://"),
         ("[cluster]\nredis_url = 'redis://x:99999'", "cluster.redis_url: has a bad port"),
         ("[cluster]\nredis_url = 'redis://x/db1'", "cluster.redis_url: must end in a database"),

@@ -139,6 +139,11 @@ class ClusterConfig:
     lease: float = 10.0  # seconds before a silent gateway's slots and waiters expire
     fallback_share: float = 0.0  # of each upstream's slots, used alone while Redis is away
     outage_grace: float = 30.0  # seconds Redis may be away before waiters get 529
+    # With Redis Sentinel: where the Sentinels are, and the name they know the primary by
+    # (`host` and `port` are then found through them).
+    sentinels: tuple[tuple[str, int], ...] = ()
+    sentinel_master: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
     prefix: str = "hgw:"
 
 
@@ -330,7 +335,8 @@ def _parse_cluster(
     section: _Section, server: ServerConfig, environ: Mapping[str, str]
 ) -> ClusterConfig:
     """`redis_url` as Redis clients spell it: redis://[[user]:password@]host[:port][/db], or
-    rediss:// for TLS; the password may come from `password_env` instead of the URL."""
+    rediss:// for TLS; the password may come from `password_env` instead of the URL. Or,
+    instead, `sentinels` and `sentinel_master` (with `db`), where Sentinel manages Redis."""
     section.reject_unknown(
         {
             "redis_url",
@@ -340,8 +346,16 @@ def _parse_cluster(
             "fallback_share",
             "outage_grace",
             "prefix",
+            "sentinels",
+            "sentinel_master",
+            "sentinel_password_env",
+            "db",
         }
     )
+    if "sentinels" in section.table:
+        return _parse_sentinels(section, server, environ)
+    if "db" in section.table:
+        raise section.error("db", "only with sentinels: a redis_url ends in its database")
     url = section.string("redis_url", required=True)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
@@ -361,11 +375,6 @@ def _parse_cluster(
         if password_env not in environ:
             raise section.error("password_env", f"environment variable {password_env} is not set")
         password = environ[password_env]
-    share = section.table.get("fallback_share", 0.0)
-    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
-        raise section.error(
-            "fallback_share", f"must be a number from 0 to 1, got {_describe(share)}"
-        )
     return ClusterConfig(
         host=parts.hostname,
         port=port,
@@ -373,12 +382,62 @@ def _parse_cluster(
         username=unquote(parts.username) if parts.username else None,
         password=password,
         tls=parts.scheme == "rediss",
-        instance=section.string("instance", default_instance(server.listen)),
-        lease=section.seconds("lease", ClusterConfig.lease),
-        fallback_share=float(share),
-        outage_grace=section.seconds("outage_grace", ClusterConfig.outage_grace),
-        prefix=section.string("prefix", ClusterConfig.prefix),
+        **_cluster_settings(section, server),
     )
+
+
+def _secret(section: _Section, key: str, environ: Mapping[str, str]) -> str | None:
+    """The value of the environment variable that `key` names, if it is given."""
+    name = section.string(key)
+    if name is None:
+        return None
+    if name not in environ:
+        raise section.error(key, f"environment variable {name} is not set")
+    return environ[name]
+
+
+def _parse_sentinels(
+    section: _Section, server: ServerConfig, environ: Mapping[str, str]
+) -> ClusterConfig:
+    """`sentinels = ["host:port", ...]` and `sentinel_master`: the primary is found through
+    them; `password_env` is the primary's password, `sentinel_password_env` the Sentinels'."""
+    if "redis_url" in section.table:
+        raise section.error("redis_url", "give either redis_url or sentinels, not both")
+    given = section.table["sentinels"]
+    if not isinstance(given, list) or not given:
+        raise section.error("sentinels", f"must be an array of 'host:port', got {_describe(given)}")
+    sentinels = []
+    for entry in given:
+        host, _, port = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise section.error("sentinels", f"each must be 'host:port', got {_describe(entry)}")
+        sentinels.append((host.strip("[]"), int(port)))
+    return ClusterConfig(
+        host="",
+        port=0,
+        db=section.integer("db", 0, minimum=0),
+        password=_secret(section, "password_env", environ),
+        sentinels=tuple(sentinels),
+        sentinel_master=section.string("sentinel_master", required=True),
+        sentinel_password=_secret(section, "sentinel_password_env", environ),
+        **_cluster_settings(section, server),
+    )
+
+
+def _cluster_settings(section: _Section, server: ServerConfig) -> dict[str, Any]:
+    """What `[cluster]` says besides where Redis is."""
+    share = section.table.get("fallback_share", 0.0)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise section.error(
+            "fallback_share", f"must be a number from 0 to 1, got {_describe(share)}"
+        )
+    return {
+        "instance": section.string("instance", default_instance(server.listen)),
+        "lease": section.seconds("lease", ClusterConfig.lease),
+        "fallback_share": float(share),
+        "outage_grace": section.seconds("outage_grace", ClusterConfig.outage_grace),
+        "prefix": section.string("prefix", ClusterConfig.prefix),
+    }
 
 
 def default_instance(listen: str) -> str:

@@ -115,19 +115,36 @@ def situations(draw: Any) -> tuple[list[Replica], list[tuple[str, int, int, int,
 
 class NextIsTheFirstInOrderThatMayStart(TestCase):
     @settings(max_examples=300)
-    @given(situations())
+    @given(situations(), st.data())
     def test_any_situation(
-        self, situation: tuple[list[Replica], list[tuple[str, int, int, int, bool]], float]
+        self,
+        situation: tuple[list[Replica], list[tuple[str, int, int, int, bool]], float],
+        data: Any,
     ) -> None:
+        """Whatever the replicas, the waiters' wants and the clients' max_in_flight (some of
+        them at it already): the first in order whose client may take a slot starts, where
+        it may, and the waiters of capped clients are last in the order."""
         members, waiters, now = situation
-        dispatch: Dispatch[int] = Dispatch(members, aging=2.0)
+        caps = data.draw(st.dictionaries(st.sampled_from("abc"), st.integers(1, 2)))
+        dispatch: Dispatch[int] = Dispatch(members, aging=2.0, caps=caps)
+        for member in members:  # its held slots, each some client's
+            held, member.held = member.held, 0
+            for _ in range(held):
+                dispatch.hold(member, data.draw(st.sampled_from("abc")))
         for n, (client, rank, among, avoid, retry) in enumerate(waiters):
             pick = lambda mask: frozenset(m for i, m in enumerate(members) if mask >> i & 1)  # noqa: E731
             want = dispatch.want(pick(among) or None, pick(avoid), None)
             dispatch.join(n, client, rank, n * 0.5, want, retry)
+        clients = {n: w[0] for n, w in enumerate(waiters)}
         while True:
             order = list(dispatch.order(now))
-            may = [n for n in order if dispatch.open_for(dispatch.want_of(n), now)]
+            capped = [n for n in order if dispatch.capped(clients[n])]
+            self.assertEqual(order[len(order) - len(capped) :], capped, "capped ones last")
+            may = [
+                n
+                for n in order
+                if not dispatch.capped(clients[n]) and dispatch.open_for(dispatch.want_of(n), now)
+            ]
             start = dispatch.next(now)
             if not may:
                 self.assertIsNone(start)
@@ -135,6 +152,8 @@ class NextIsTheFirstInOrderThatMayStart(TestCase):
             assert start is not None
             self.assertEqual(start.item, may[0])
             self.assertLessEqual(start.replica.held, start.replica.usable)
+            client = clients[start.item]
+            self.assertLessEqual(dispatch.in_flight[client], caps.get(client, len(waiters) + 9))
             self.assertNotIn(start.item, dispatch)
             self.assertEqual(len(dispatch), len(order) - 1)
 
@@ -187,41 +206,3 @@ class MaxInFlight(TestCase):
         self.assertEqual(dispatch.in_flight, {})
         dispatch.configure({})
         self.assertIsNotNone(dispatch.admit("a", NORMAL, None, 0.0))
-
-    @settings(max_examples=300)
-    @given(situations(), st.data())
-    def test_next_is_the_first_in_order_whose_client_may_take_a_slot(
-        self,
-        situation: tuple[list[Replica], list[tuple[str, int, int, int, bool]], float],
-        data: Any,
-    ) -> None:
-        members, waiters, now = situation
-        caps = data.draw(st.dictionaries(st.sampled_from("abc"), st.integers(1, 2)))
-        dispatch: Dispatch[int] = Dispatch(members, aging=2.0, caps=caps)
-        for member in members:  # its held slots, each some client's
-            held, member.held = member.held, 0
-            for _ in range(held):
-                dispatch.hold(member, data.draw(st.sampled_from("abc")))
-        for n, (client, rank, among, avoid, retry) in enumerate(waiters):
-            pick = lambda mask: frozenset(m for i, m in enumerate(members) if mask >> i & 1)  # noqa: E731
-            want = dispatch.want(pick(among) or None, pick(avoid), None)
-            dispatch.join(n, client, rank, n * 0.5, want, retry)
-        clients = {n: w[0] for n, w in enumerate(waiters)}
-        while True:
-            order = list(dispatch.order(now))
-            capped = [n for n in order if dispatch.capped(clients[n])]
-            self.assertEqual(order[len(order) - len(capped) :], capped, "capped ones last")
-            may = [
-                n
-                for n in order
-                if not dispatch.capped(clients[n]) and dispatch.open_for(dispatch.want_of(n), now)
-            ]
-            start = dispatch.next(now)
-            if not may:
-                self.assertIsNone(start)
-                break
-            assert start is not None
-            self.assertEqual(start.item, may[0])
-            client = clients[start.item]
-            self.assertLessEqual(dispatch.in_flight[client], caps.get(client, len(waiters) + 9))
-            self.assertEqual(len(dispatch), len(order) - 1)

@@ -106,6 +106,9 @@ class Checked:
         if kind == "join":
             self.n += 1
             line.join(self.n, op[1], op[2], self.now)
+        elif kind == "join again":  # after Redis was away: with its first arrival
+            self.n += 1
+            line.join(self.n, op[1], op[2], self.now - op[3])
         elif kind == "pop":
             self.seen = max(self.seen, self.now)
             expected = walked_head(line, self.seen)
@@ -148,7 +151,7 @@ clients = st.sampled_from("abcde")
 ranks = st.sampled_from(range(len(CLASSES)))
 op = st.one_of(
     st.tuples(st.just("join"), clients, ranks),
-    st.tuples(st.just("join"), clients, ranks),
+    st.tuples(st.just("join again"), clients, ranks, st.sampled_from([0.25, 1.0, 5.0])),
     st.tuples(st.just("pop")),
     st.tuples(st.just("take"), st.integers(0, 100)),
     st.tuples(st.just("leave"), st.integers(0, 100)),
@@ -228,6 +231,18 @@ class HeadsAreTheWalksHeads(TestCase):
         self.assertEqual(granted and (granted[0], granted[1].rank), ("moved", 0))
         self.assertEqual(line.head(0.2), "batch", "still served as normal at 0.2")
         self.assertEqual(line.next_aging(0.2), 1.5, "normal is interactive at 1.5, after 1.2")
+
+    def test_one_joining_again_with_its_first_arrival_goes_by_it_among_its_clients(
+        self,
+    ) -> None:
+        line: Line[str] = Line()
+        for item, arrived in (("second", 2.0), ("fourth", 4.0)):
+            line.join(item, "a", 1, arrived)
+        line.join("third", "a", 1, 3.0)
+        line.join("first", "a", 1, 1.0)
+        line.join("other", "b", 1, 2.5)
+        self.assertEqual(list(line.order(5.0)), ["first", "other", "second", "third", "fourth"])
+        self.assertEqual(line.head(5.0), "first")
 
     def test_a_tie_goes_to_the_client_first_in_the_table(self) -> None:
         """Equal keys: the client created first, even if its FIFO of that class is newer."""

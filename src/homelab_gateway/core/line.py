@@ -194,7 +194,8 @@ class Line(Generic[T]):
         return client
 
     def join(self, item: T, client: str, rank: int, now: float) -> None:
-        """`item` waits from `now` (earlier for a waiter moved from another line)."""
+        """`item` waits from `now`: earlier for a waiter moved from another line or joining
+        again after Redis was away, which goes by its arrival among its client's."""
         waiter = Waiter(item, client, rank, now)
         self._waiters[item] = waiter
         state = self._client(client)
@@ -205,8 +206,15 @@ class Line(Generic[T]):
             queue.append(waiter)
             self._queues += 1
             self._new_head(queue)
-        else:
+        elif queue[-1].arrived <= now:
             queue.append(waiter)
+        else:
+            at = len(queue) - 1
+            while at and queue[at - 1].arrived > now:
+                at -= 1
+            queue.insert(at, waiter)
+            if not at:
+                self._new_head(queue)
         self._will_age(waiter)
         if not state.waiting:
             self._busy += 1

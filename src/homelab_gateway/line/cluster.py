@@ -32,6 +32,7 @@ from homelab_gateway.config import ClusterConfig
 from homelab_gateway.core.liveness import Liveness
 from homelab_gateway.line.limiter import Unavailable
 from homelab_gateway.line.scripts import SHAS, SOURCES
+from homelab_gateway.line.sentinel import Primary
 
 if TYPE_CHECKING:
     from homelab_gateway.line.shared import RedisSource
@@ -102,6 +103,10 @@ class Cluster:
         self._watchdog: LoopingCall | None = None
         self._grace: IDelayedCall | None = None  # ends the outage's grace
         self._joined_at = 0.0
+        # Where Redis is: the config's, or the primary the Sentinels name (`sentinel`).
+        self.address = (config.host, config.port)
+        self._primary = Primary(config, reactor, self._switched) if config.sentinels else None
+        self._failed_over = False  # linked to another primary than before: count again
         self._seq = 0
         self._last_id = "0-0"
         self._epoch: str | None = None
@@ -156,6 +161,8 @@ class Cluster:
         await self._disconnect()
         if self._run is not None:
             await self._run
+        if self._primary is not None:
+            await self._primary.close()
 
     async def _keep_connected(self) -> None:
         delay = BACKOFF[0]
@@ -183,6 +190,12 @@ class Cluster:
 
     async def _connect(self) -> None:
         config = self.config
+        if self._primary is not None:  # asked again before every connection
+            address = await self._primary.find()
+            if address != self.address and self.address[1]:
+                self._failed_over = True
+            self.address = address
+        host, port = self.address
         options: dict[str, Any] = {
             "dbid": config.db,
             "reconnect": False,
@@ -190,21 +203,26 @@ class Cluster:
             "username": config.username,
             "convertNumbers": False,
             "connectTimeout": min(5.0, config.lease / 2),
-            "ssl_context_factory": optionsForClientTLS(config.host) if config.tls else False,
+            "ssl_context_factory": optionsForClientTLS(host) if config.tls else False,
         }
         # No reply timeout of txredisapi's own: a timer would judge the link by this reactor's
         # lag as much as by Redis; the watchdog judges it by Redis's answers (`Liveness`).
         commands = Liveness(config.lease / 2, WATCH_STEP)
         reader = Liveness(READ_BLOCK_MS / 1000 + config.lease / 2, WATCH_STEP)
-        self._commands = Watched(
-            await txredisapi.Connection(config.host, config.port, **options), commands
-        )
-        self._reader = Watched(
-            await txredisapi.Connection(config.host, config.port, **options), reader
-        )
+        self._commands = Watched(await txredisapi.Connection(host, port, **options), commands)
+        self._reader = Watched(await txredisapi.Connection(host, port, **options), reader)
         self._watchdog = LoopingCall(self._watch, commands, reader)
         self._watchdog.clock = self.reactor
         self._watchdog.start(WATCH_STEP)
+        if self._primary is not None:
+            role = await self._commands.execute_command("ROLE")
+            if role[0] != "master":  # a Sentinel's answer from before a failover
+                raise txredisapi.ConnectionError(f"{self._where()} is a {role[0]} now")
+            self._primary.watch()
+
+    def _switched(self, address: str) -> None:
+        """A Sentinel promoted another primary: drop the link, to connect there."""
+        self.drop(f"Sentinel switched the primary to {address}")
 
     def _watch(self, *links: Liveness) -> None:
         """A turn of the watchdog: a connection whose command Redis left unanswered for its
@@ -261,7 +279,10 @@ class Cluster:
         self._renewal.start(self.config.lease / 3, now=False).addErrback(self._renewal_failed)
 
     def _where(self) -> str:
-        return f"redis {self.config.host}:{self.config.port}/{self.config.db}"
+        host, port = self.address
+        if self._primary is not None and not port:
+            return f"redis {self.config.sentinel_master} (through Sentinel)"
+        return f"redis {host}:{port}/{self.config.db}"
 
     async def _renew(self) -> None:
         await self._commands.set(
@@ -332,9 +353,17 @@ class Cluster:
         epoch_key = self.key("epoch")
         await self._commands.set(epoch_key, secrets.token_hex(8), only_if_not_exists=True)
         epoch = await self._commands.get(epoch_key)
-        if self._epoch is not None and epoch != self._epoch:
+        if self._failed_over:
+            log.warn(
+                "the shared line's Redis failed over to {where}, which may lack the last "
+                "writes: counting running requests again",
+                where=self._where(),
+            )
+        elif self._epoch is not None and epoch != self._epoch:
             log.warn("the shared line's Redis lost its data: counting running requests again")
+        if self._failed_over or (self._epoch is not None and epoch != self._epoch):
             await self._commands.set(self.key("settling"), "1", pexpire=int(SETTLE * 1000))
+        self._failed_over = False
         self._epoch = epoch
 
     def add(self, line: RedisSource) -> None:
