@@ -551,11 +551,20 @@ def main() -> None:
         help="three gateways sharing one Redis, with gateway, Redis and upstream faults "
         "(bench/chaos_cluster.py)",
     )
+    parser.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="with --cluster: Redis is a primary and a replica under Sentinel, whose faults "
+        "are failovers",
+    )
     args = parser.parse_args()
+    if args.sentinel and not args.cluster:
+        parser.error("--sentinel goes with --cluster")
     if args.cluster:
         from bench import chaos_cluster  # here: it builds on this module
 
-        sys.exit(0 if chaos_cluster.main(args.requests, args.concurrency or 40, args.seed) else 1)
+        ok = chaos_cluster.main(args.requests, args.concurrency or 40, args.seed, args.sentinel)
+        sys.exit(0 if ok else 1)
     args.concurrency = args.concurrency or 60
     with tempfile.TemporaryDirectory() as workdir:
         report = run(args.requests, args.concurrency, args.seed, Path(workdir))

@@ -10,6 +10,11 @@ started again on its port, Redis is paused (SIGSTOP, 1-3 s, then SIGCONT), Redis
 empty, the stub is killed and started again on its port. Redis faults and process faults come
 from two loops of their own, so they may overlap, as real ones do.
 
+With `--sentinel`, Redis is a primary and its replica under a Sentinel (`[cluster] sentinels`),
+and its faults are failovers: the primary paused past the Sentinel's patience (the replica is
+promoted; the paused one wakes up a primary nobody follows, and is made a replica), or killed
+(the replica is promoted; the killed one comes back empty as its replica).
+
 What must hold whatever happened, read from the stub's own log where the gateways' word would
 not do (a gateway's count cannot prove a cap it keeps itself):
 
@@ -22,14 +27,17 @@ not do (a gateway's count cannot prove a cap it keeps itself):
   killed under it ("gateway killed", counted apart); a good scenario fails only if the stub
   died while it ran or its gateway did;
 - at the end, nothing held and nobody waiting, on every gateway and in Redis (the slots and
-  waiting hashes), nothing in flight at the stub; no traceback in any gateway's log, every
-  gateway stops cleanly, and every kind of fault was injected and its process served again.
+  waiting hashes; in the primary, with Sentinel), nothing in flight at the stub, nothing
+  still being handled by a gateway (`surfaces` in /llm/v1/status); no traceback in any
+  gateway's log, every gateway stops cleanly, and every kind of fault was injected and its
+  process served again.
 
 It prints the figures: requests, faults by kind, outcomes by kind, the longest wait (to the
 first token, or to a whole answer) of requests that overlapped each kind of fault beside
 those that overlapped none, and pass/fail per invariant. The request mix and the faults'
 kinds, order, targets, durations and the answer counts they fire at all follow from `--seed`;
-only the timing between processes does not. tests/test_chaos_cluster.py runs a small one.
+only the timing between processes does not. tests/test_chaos_cluster.py runs a small one (not
+the Sentinel variant, whose failovers take a minute: tests/line/test_sentinel.py has one).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import json
 import math
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -57,7 +66,7 @@ from bench.cluster import linked, load_average
 from homelab_gateway.line.cluster import SETTLE
 from tests.grammar import check_stream
 from tests.processes import Process, start_gateway, start_stub
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, SentinelSet
 
 SLOTS = 3
 GATEWAYS = 3
@@ -78,8 +87,7 @@ CLIENTS = {
     CAPPED: (f'priority = "normal"\nmax_in_flight = {CAP_OF_CAPPED}', 2),
     "nightly": ('priority = "batch"', 2),
 }
-FAULTS = ("gateway killed", "redis paused", "redis restarted empty", "stub killed")
-LOOPS = {"processes": ("gateway killed", "stub killed"), "redis": FAULTS[1:3]}
+PROCESS_FAULTS = ("gateway killed", "stub killed")
 STUB_ENDS = frozenset({"refused", "hangup", "complete", "cancelled", "reset", "truncated"})
 """The stub's lines that end a request it started (a refusal and a hangup at once)."""
 CLIENT_TIMEOUT = 120.0  # a request still unanswered then never ends: a failed invariant
@@ -93,9 +101,10 @@ def key(client: str) -> str:
     return f"chaos-key-{client}"
 
 
-def config(stub_url: str, redis_url: str, instance: str) -> str:
+def config(stub_url: str, where: str, instance: str) -> str:
     """Every gateway's config: the same upstream, slots and clients (the cluster's rule), its
-    own instance name. `aging` is short so the batch client's requests end within the run."""
+    own instance name; `where` says where Redis is. `aging` is short so the batch client's
+    requests end within the run."""
     clients = "".join(
         f'\n[clients.{name}]\nkey_sha256 = "{hashlib.sha256(key(name).encode()).hexdigest()}"'
         f"\n{settings}\n"
@@ -119,7 +128,7 @@ upstream = "{UPSTREAM}"
 aging = 10
 {clients}
 [cluster]
-redis_url = "{redis_url}"
+{where}
 instance = "{instance}"
 lease = {LEASE}
 """
@@ -189,7 +198,9 @@ class Fault:
         return self.started <= end and start <= self.ended
 
 
-def plan_faults(n: int, concurrency: int, rng: random.Random) -> dict[str, list[Fault]]:
+def plan_faults(
+    n: int, concurrency: int, redis_faults: tuple[str, ...], rng: random.Random
+) -> dict[str, list[Fault]]:
     """Each loop's faults: one of each of its kinds first (in an order of the seed's), so even
     a short run has every kind, then kinds at random; at about evenly spread answer counts,
     while requests are still being sent (the last `concurrency` are all sent by the time the
@@ -197,7 +208,7 @@ def plan_faults(n: int, concurrency: int, rng: random.Random) -> dict[str, list[
     each = max(2, round(n / 250))
     sending = max(n - concurrency, n // 2)
     loops = {}
-    for loop, kinds in LOOPS.items():
+    for loop, kinds in {"processes": PROCESS_FAULTS, "redis": redis_faults}.items():
         order = rng.sample(kinds, len(kinds))
         order += [rng.choice(kinds) for _ in range(each - len(kinds))]
         faults = []
@@ -206,8 +217,8 @@ def plan_faults(n: int, concurrency: int, rng: random.Random) -> dict[str, list[
             if kind == "gateway killed":
                 target = f"gw-{rng.randrange(GATEWAYS)}"
             else:
-                target = "redis" if kind.startswith("redis") else "stub"
-            low, high = (1.0, 3.0) if kind == "redis paused" else (0.2, 1.5)
+                target = "stub" if kind == "stub killed" else "redis"
+            low, high = (1.0, 3.0) if kind.endswith("paused") else (0.2, 1.5)
             faults.append(Fault(kind, target, round(rng.uniform(low, high), 1), at))
         loops[loop] = faults
     return loops
@@ -305,18 +316,172 @@ class Stub:
         return get_json(self.url.removesuffix("/v1") + "/stub/status")
 
 
+def ask(port: int, *args: str) -> Any:
+    """One command to the Redis (or Sentinel) on `port`, over a raw socket, its reply parsed:
+    the bench never shares the gateways' client library, nor blocks on a paused server long."""
+    command = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(command.encode())
+        return _reply(s.makefile("rb"))
+
+
+def _reply(stream: Any) -> Any:
+    line = stream.readline()
+    kind, rest = line[:1], line[1:].rstrip(b"\r\n")
+    if kind == b"*":
+        return None if int(rest) < 0 else [_reply(stream) for _ in range(int(rest))]
+    if kind == b"$":
+        return None if int(rest) < 0 else stream.read(int(rest) + 2)[:-2].decode()
+    if kind == b":":
+        return int(rest)
+    if kind == b"+":
+        return rest.decode()
+    raise RuntimeError(f"Redis answered {line!r}")
+
+
+class SingleRedis:
+    """One redis-server, paused or restarted empty (no persistence: a restart loses all)."""
+
+    faults = ("redis paused", "redis restarted empty")
+
+    def __init__(self) -> None:
+        self.server = RedisServer()
+
+    def start(self) -> None:
+        self.server.start()
+
+    def where(self) -> str:
+        return f'redis_url = "{self.server.url}"'
+
+    def primary(self) -> RedisServer:
+        return self.server
+
+    def inject(self, kind: str, seconds: float) -> None:
+        if kind == "redis paused":
+            self.server.pause()
+            time.sleep(seconds)
+            self.server.resume()
+        else:
+            self.server.stop()
+            time.sleep(seconds)
+            self.server.start()
+
+    def close(self, workdir: Path) -> None:
+        log = self.server.dir / "redis.log"
+        if log.exists():
+            shutil.copy(log, workdir / "redis.log")
+        self.server.close()
+
+
+class SentinelRedis:
+    """A primary, its replica and a Sentinel that fails over half a second after it finds
+    the primary silent (tests.redis_server.SentinelSet). The primary is paused (longer than
+    that: the Sentinel promotes the replica, and turns the paused one into a replica when it
+    wakes, discarding what it took meanwhile) or killed (the replica promoted, the killed one
+    started again empty as the new primary's replica). Each fault ends with one primary and
+    one replica in sync that the Sentinel counts on, so the next can fail over again."""
+
+    faults = ("primary paused", "primary killed")
+    HEALTHY_WITHIN = 60.0  # seconds: a failover, a full resync and the Sentinel's next look
+
+    def __init__(self) -> None:
+        self.set: SentinelSet | None = None
+
+    def start(self) -> None:
+        self.set = SentinelSet()
+        self.healthy()
+
+    @property
+    def servers(self) -> tuple[RedisServer, RedisServer]:
+        assert self.set is not None
+        return self.set.primary, self.set.replica  # their roles at the start only
+
+    def where(self) -> str:
+        assert self.set is not None
+        return f'sentinels = ["127.0.0.1:{self.set.port}"]\nsentinel_master = "{self.set.MASTER}"'
+
+    def named(self) -> int:
+        """The primary's port, as the Sentinel names it."""
+        assert self.set is not None
+        return int(ask(self.set.port, "SENTINEL", "get-master-addr-by-name", self.set.MASTER)[1])
+
+    def primary(self) -> RedisServer:
+        port = self.named()
+        return next(server for server in self.servers if server.port == port)
+
+    def inject(self, kind: str, seconds: float) -> None:
+        old = self.primary()
+        if kind == "primary paused":
+            old.pause()
+            time.sleep(seconds)
+            old.resume()
+        else:
+            old.stop()
+            deadline = time.monotonic() + self.HEALTHY_WITHIN
+            while self._named_or_none() in (old.port, None):
+                assert time.monotonic() < deadline, "the Sentinel promoted no replica"
+                time.sleep(0.05)
+            time.sleep(seconds)
+            old.options = ("--replicaof", "127.0.0.1", str(self.named()))
+            old.start()
+        self.healthy()
+
+    def _named_or_none(self) -> int | None:
+        try:
+            return self.named()
+        except (OSError, RuntimeError):
+            return None
+
+    def healthy(self) -> None:
+        """Wait (bounded) for a primary the Sentinel names, the other server its replica in
+        sync, and the Sentinel counting on that replica (flags "slave" alone)."""
+        assert self.set is not None
+        deadline = time.monotonic() + self.HEALTHY_WITHIN
+        while True:
+            try:
+                primary = self.primary()
+                replica = next(server for server in self.servers if server is not primary)
+                role = ask(replica.port, "ROLE")
+                replicas = ask(self.set.port, "SENTINEL", "REPLICAS", self.set.MASTER)
+                known = [dict(zip(r[::2], r[1::2], strict=True)) for r in replicas]
+                if (
+                    ask(primary.port, "ROLE")[0] == "master"
+                    and role[0] == "slave"
+                    and role[2] == primary.port
+                    and role[3] == "connected"
+                    and any(r["port"] == str(replica.port) and r["flags"] == "slave" for r in known)
+                ):
+                    return
+            except (OSError, RuntimeError, StopIteration):
+                pass  # a server down, paused or not yet known
+            assert time.monotonic() < deadline, "no primary with a replica in sync"
+            time.sleep(0.1)
+
+    def close(self, workdir: Path) -> None:
+        if self.set is None:
+            return
+        for n, server in enumerate(self.servers):
+            log = server.dir / "redis.log"
+            if log.exists():
+                shutil.copy(log, workdir / f"redis-{n}.log")
+        if (self.set.dir / "log").exists():
+            shutil.copy(self.set.dir / "log", workdir / "sentinel.log")
+        self.set.close()
+
+
 class Stack:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, redis: SingleRedis | SentinelRedis) -> None:
         self.workdir = workdir
-        self.redis = RedisServer()
+        self.redis = redis
         self.gateways: list[Gateway] = []
         self.stub: Stub | None = None
 
     def start(self) -> None:
         self.redis.start()
         self.stub = Stub(self.workdir)
+        where = self.redis.where()
         self.gateways = [
-            Gateway(self.workdir, f"gw-{g}", config(self.stub.url, self.redis.url, f"gw-{g}"))
+            Gateway(self.workdir, f"gw-{g}", config(self.stub.url, where, f"gw-{g}"))
             for g in range(GATEWAYS)
         ]
         with ThreadPoolExecutor(GATEWAYS) as pool:  # each takes a second or two to start
@@ -331,18 +496,12 @@ class Stack:
             gateway.kill()
             time.sleep(fault.seconds)
             gateway.revive()
-        elif fault.kind == "redis paused":
-            self.redis.pause()
-            time.sleep(fault.seconds)
-            self.redis.resume()
-        elif fault.kind == "redis restarted empty":
-            self.redis.stop()
-            time.sleep(fault.seconds)
-            self.redis.start()
-        else:
+        elif fault.kind == "stub killed":
             self.stub.kill()
             time.sleep(fault.seconds)
             self.stub.revive()
+        else:
+            self.redis.inject(fault.kind, fault.seconds)
         fault.ended = time.monotonic()
 
     def at_rest(self) -> dict[str, Any]:
@@ -360,8 +519,9 @@ class Stack:
             )
             capped = status["clients"][CAPPED]["in_flight"]
             state[f"{gateway.name}_{CAPPED}_in_flight"] = sum(capped.values())
-        state["redis_slots"] = self.redis.command("HLEN", f"hgw:upstream:{UPSTREAM}:slots")
-        state["redis_waiting"] = self.redis.command("HLEN", f"hgw:line:{UPSTREAM}:waiting")
+        primary = self.redis.primary().port
+        state["redis_slots"] = ask(primary, "HLEN", f"hgw:upstream:{UPSTREAM}:slots")
+        state["redis_waiting"] = ask(primary, "HLEN", f"hgw:line:{UPSTREAM}:waiting")
         stub = self.stub.status()
         state["stub_in_flight"] = stub["in_flight"]
         state["stub_held_open"] = stub["held_open"]
@@ -383,10 +543,7 @@ class Stack:
                 statuses.append(gateway.stop())
         if self.stub is not None:
             self.stub.process.stop()
-        log = self.redis.dir / "redis.log"
-        if log.exists():
-            shutil.copy(log, self.workdir / "redis.log")
-        self.redis.close()
+        self.redis.close(self.workdir)
         return statuses
 
 
@@ -600,6 +757,7 @@ def waits(done: list[Done], faults: list[Fault]) -> dict[str, Any]:
 class Report:
     requests: int
     seed: int
+    redis: str = ""
     seconds: float = 0.0
     faults: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)  # seconds from the first request
@@ -620,15 +778,19 @@ class Report:
         return bool(self.invariants) and all(self.invariants.values())
 
 
-def run(n: int, concurrency: int, seed: int, workdir: Path) -> Report:
+def run(n: int, concurrency: int, seed: int, workdir: Path, sentinel: bool = False) -> Report:
     """The whole run in `workdir`, which keeps every process's log (each gateway's lives
-    under gw-N/, the stub's lives, Redis's)."""
+    under gw-N/, the stub's lives, Redis's); with `sentinel`, on a primary and replica that a
+    Sentinel manages, whose faults are failovers."""
+    redis = SentinelRedis() if sentinel else SingleRedis()
+    kinds = (*PROCESS_FAULTS, *redis.faults)
     rng = random.Random(seed)
     plans = plan_requests(n, rng)
-    faults = plan_faults(n, concurrency, random.Random(f"faults-{seed}"))
+    faults = plan_faults(n, concurrency, redis.faults, random.Random(f"faults-{seed}"))
     every = [f for loop in faults.values() for f in loop]
     report = Report(requests=n, seed=seed, load_average={"before": load_average()})
-    stack = Stack(workdir)
+    report.redis = "a primary, its replica and a Sentinel" if sentinel else "one redis-server"
+    stack = Stack(workdir, redis)
     try:
         stack.start()
         started = time.monotonic()
@@ -647,7 +809,7 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> Report:
             "seconds": [f.seconds for f in injected if f.kind == kind],
             "targets": dict(Counter(f.target for f in injected if f.kind == kind)),
         }
-        for kind in FAULTS
+        for kind in kinds
     }
     report.outcomes = dict(Counter(d.outcome for d in done).most_common())
     by_client: defaultdict[str, Counter[str]] = defaultdict(Counter)
@@ -703,7 +865,7 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> Report:
         "no traceback in any gateway's log": report.unhandled_errors == 0,
         "every gateway stopped cleanly": report.exit_statuses == [0] * GATEWAYS,
         "every kind of fault injected, and what it hit served again": all(
-            report.faults[kind]["count"] for kind in FAULTS
+            report.faults[kind]["count"] for kind in kinds
         )
         and restarted_served > 0
         and all(report.stub["starts_by_life"]),
@@ -715,7 +877,7 @@ def run(n: int, concurrency: int, seed: int, workdir: Path) -> Report:
     return report
 
 
-def main(requests: int, concurrency: int, seed: int) -> bool:
+def main(requests: int, concurrency: int, seed: int, sentinel: bool) -> bool:
     """The run in a temporary directory; its report in bench/results/, and on a failure every
     process's log beside it."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -724,7 +886,7 @@ def main(requests: int, concurrency: int, seed: int) -> bool:
         workdir = Path(directory)
         report: Report | None = None
         try:
-            report = run(requests, concurrency, seed, workdir)
+            report = run(requests, concurrency, seed, workdir, sentinel)
         finally:
             if report is None or not report.ok:
                 kept = RESULTS / f"chaos-cluster-{stamp}"
