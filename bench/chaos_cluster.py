@@ -47,6 +47,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import shutil
 import socket
 import sys
@@ -725,6 +726,12 @@ def judge(done: list[Done], stub: Stub) -> list[str]:
     return problems
 
 
+def in_flight_at_stop(output: str) -> int:
+    """The requests a gateway's drain found in flight at SIGTERM (-1: it never drained)."""
+    found = re.findall(r"draining: (\d+) requests in flight", output)
+    return int(found[-1]) if found else -1
+
+
 def waits(done: list[Done], faults: list[Fault]) -> dict[str, Any]:
     """Per kind of fault, the longest wait (seconds) of the requests whose wait overlapped one,
     and of those whose wait overlapped faults of that kind alone (a long wait overlaps several);
@@ -767,6 +774,8 @@ class Report:
     stub: dict[str, Any] = field(default_factory=dict)
     at_rest: dict[str, Any] = field(default_factory=dict)
     exit_statuses: list[int] = field(default_factory=list)
+    # What each gateway's drain waited for at SIGTERM: nothing, once everything was at rest.
+    in_flight_at_stop: list[int] = field(default_factory=list)
     unhandled_errors: int = 0  # "Unhandled" and "Traceback" in the gateways' logs
     load_average: dict[str, str] = field(default_factory=dict)
     unclean_endings: list[str] = field(default_factory=list)
@@ -837,6 +846,7 @@ def run(n: int, concurrency: int, seed: int, workdir: Path, sentinel: bool = Fal
     )
     report.stub["answered_by_restarted_gateways"] = restarted_served
     logs = [g.output() for g in stack.gateways]
+    report.in_flight_at_stop = [in_flight_at_stop(g.lives[-1].all_output()) for g in stack.gateways]
     report.unhandled_errors = sum(log.count("Traceback") + log.count("Unhandled") for log in logs)
     report.unclean_endings = [
         f"#{d.plan.i} {d.plan.scenario}/{d.plan.behaviour} via gw-{d.gateway}: {d.problem}"
