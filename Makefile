@@ -14,7 +14,7 @@ REDIS := /usr/bin/redis-server
 NPM := $(or $(shell command -v npm 2>/dev/null),/usr/bin/npm)
 CODEX := node_modules/@openai/codex
 
-.PHONY: demo test install bench chaos
+.PHONY: demo test install bench chaos chaos-cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,3 +53,6 @@ bench: install
 
 chaos: install
 	$(BIN)/python -m bench.chaos
+
+chaos-cluster: install $(REDIS)
+	$(BIN)/python -m bench.chaos --cluster

@@ -123,8 +123,11 @@ def pick(rng: random.Random, weights: dict[str, int]) -> str:
     return rng.choices(list(weights), weights=list(weights.values()))[0]
 
 
-def cut_policy(behaviour: str, rng: random.Random) -> Any:
-    deltas = rng.randint(1, 6)
+def cut_policy(behaviour: str, deltas: int) -> Any:
+    """When a client of `behaviour` hangs up: at its first queue frame (or its first token if
+    it never waited), at its first token, or after `deltas` deltas; None: it reads it all.
+    `deltas` is the caller's, so that a run planned ahead from its seed (bench.chaos_cluster)
+    decides it with the rest of the request."""
 
     def cut(result: Result) -> bool:
         events = result.events
@@ -252,7 +255,10 @@ async def chaos(
         async with semaphore:
             started = time.monotonic()
             result = await request(
-                url + "/llm/v1/messages", body, cut=cut_policy(behaviour, rng), timeout=60
+                url + "/llm/v1/messages",
+                body,
+                cut=cut_policy(behaviour, rng.randint(1, 6)),
+                timeout=60,
             )
         finished += 1
         counts[f"{behaviour}:{'cut' if result.cut else result.status}"] += 1
@@ -537,9 +543,29 @@ def drain_under_load(workdir: Path, clients: int = 16, slots: int = 3) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=None, help="60; 40 with --cluster")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="three gateways sharing one Redis, with gateway, Redis and upstream faults "
+        "(bench/chaos_cluster.py)",
+    )
+    parser.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="with --cluster: Redis is a primary and a replica under Sentinel, whose faults "
+        "are failovers",
+    )
     args = parser.parse_args()
+    if args.sentinel and not args.cluster:
+        parser.error("--sentinel goes with --cluster")
+    if args.cluster:
+        from bench import chaos_cluster  # here: it builds on this module
+
+        ok = chaos_cluster.main(args.requests, args.concurrency or 40, args.seed, args.sentinel)
+        sys.exit(0 if ok else 1)
+    args.concurrency = args.concurrency or 60
     with tempfile.TemporaryDirectory() as workdir:
         report = run(args.requests, args.concurrency, args.seed, Path(workdir))
     print(json.dumps(report, indent=2))

@@ -635,7 +635,7 @@ class InProcess:
         """`slot` was released: settle its client's fair share with the time it was really
         held and hand the slot on."""
         now = self.line.clock.seconds()
-        held = now - slot.granted_at
+        held = max(0.0, now - slot.granted_at)  # a shared line's clock may step back a little
         if slot.on_release is not None:
             slot.on_release(held)
         if slot.trial and not slot.judged:

@@ -241,7 +241,8 @@ class RedisSource:
             self.fallback.release(slot)
             return
         if slot.on_release is not None:
-            slot.on_release(self.clock.seconds() - slot.granted_at)
+            # Redis's clock, as this copy last set it: a quick release may come out below 0.
+            slot.on_release(max(0.0, self.clock.seconds() - slot.granted_at))
 
         def unsent(failure: Failure) -> None:
             self.cluster.unsent[(self.key, slot.id)] = args
@@ -631,6 +632,10 @@ class RedisSource:
                 if not isinstance(d, Remote)
             ]
         )
+        for w, d in [] if self.cluster.live else list(self._local.items()):
+            if d not in line.dispatch and not d.called and w in self._requests:
+                # Its join ran, but its event was not replayed before the link went.
+                waited.append((d, self._requests[w], now))
         for member in line.members:
             member.share = None
         self._forget_copy()
