@@ -187,19 +187,22 @@ def verdict(scenario: str, behaviour: str, result: Result, may_fail: bool = Fals
 
 
 class Outages:
-    """The stub of replica `KILLED`, killed and started again on its port: each life logs to
-    its own file, so the starts of every life can be read after the run."""
+    """A stub (here replica `KILLED`'s) killed and started again on its port: each life logs
+    to its own file (`name-N.log`), so the starts of every life can be read after the run."""
 
-    def __init__(self, workdir: Path, options: tuple[str, ...]) -> None:
+    def __init__(
+        self, workdir: Path, options: tuple[str, ...], name: str = f"stub-{KILLED}"
+    ) -> None:
         self.workdir = workdir
         self.options = options
+        self.name = name
         self.logs: list[Path] = []
         self.windows: list[tuple[float, float]] = []  # (killed, listening again), monotonic
         self.process, self.url = self._start("tcp:0:interface=127.0.0.1")
         self.port = int(self.url.split(":")[2].split("/")[0])
 
     def _start(self, endpoint: str) -> tuple[Process, str]:
-        log = self.workdir / f"stub-{KILLED}-{len(self.logs)}.log"
+        log = self.workdir / f"{self.name}-{len(self.logs)}.log"
         self.logs.append(log)
         return start_stub(self.workdir, *self.options, "--log", str(log), "--port", endpoint)
 
@@ -214,8 +217,9 @@ class Outages:
         self.process, _ = self._start(f"tcp:{self.port}:interface=127.0.0.1")
         self.windows[-1] = (self.windows[-1][0], time.monotonic())
 
-    def overlaps(self, started: float, ended: float) -> bool:
-        return any(down <= ended and started <= up for down, up in self.windows)
+    def overlaps(self, started: float, ended: float, margin: float = 0.0) -> bool:
+        """Whether it was down (or came back less than `margin` seconds before) in that time."""
+        return any(down <= ended and started <= up + margin for down, up in self.windows)
 
 
 async def chaos(

@@ -61,12 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.__main__ import RESULTS
-from bench.chaos import BEHAVIOURS, GOOD, cut_policy, pick
+from bench.chaos import BEHAVIOURS, GOOD, Outages, cut_policy, pick
 from bench.client import Result, get_json, percentile, request
 from bench.cluster import linked, load_average
 from homelab_gateway.line.cluster import SETTLE
 from tests.grammar import check_stream
-from tests.processes import Process, start_gateway, start_stub
+from tests.processes import Process, start_gateway
 from tests.redis_server import RedisServer, SentinelSet
 
 SLOTS = 3
@@ -281,37 +281,19 @@ class Gateway:
         return "".join(process.all_output() for process in self.lives)
 
 
-class Stub:
-    """The one upstream, killed and started again on its port: each life logs to a file of
-    its own, so every start of every life can be read after the run."""
+class Stub(Outages):
+    """The one upstream, killed and started again on its port, with each life's own peak."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.logs: list[Path] = []
-        self.outages: list[tuple[float, float]] = []  # (killed, listening again)
         self.peaks: list[int] = []  # each life's own max_in_flight, read just before its end
-        self.process, self.url = self._start("tcp:0:interface=127.0.0.1")
-        self.port = int(self.url.split(":")[2].split("/")[0])
-
-    def _start(self, endpoint: str) -> tuple[Process, str]:
-        log = self.workdir / f"stub-{len(self.logs)}.log"
-        self.logs.append(log)
-        return start_stub(self.workdir, *STUB_OPTIONS, "--log", str(log), "--port", endpoint)
+        super().__init__(workdir, STUB_OPTIONS, name="stub")
 
     def kill(self) -> None:
         self.peaks.append(self.status()["max_in_flight"])
-        self.outages.append((time.monotonic(), math.inf))
-        self.process.popen.kill()
-        self.process.popen.wait()
-
-    def revive(self) -> None:
-        self.process, _ = self._start(f"tcp:{self.port}:interface=127.0.0.1")
-        self.outages[-1] = (self.outages[-1][0], time.monotonic())
+        super().kill()
 
     def down_during(self, start: float, end: float) -> bool:
-        return any(
-            killed <= end and start <= back + STUB_OUTAGE_MARGIN for killed, back in self.outages
-        )
+        return self.overlaps(start, end, STUB_OUTAGE_MARGIN)
 
     def status(self) -> dict[str, Any]:
         return get_json(self.url.removesuffix("/v1") + "/stub/status")

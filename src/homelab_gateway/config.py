@@ -368,13 +368,10 @@ def _parse_cluster(
     if not db.isdigit() or parts.query or parts.fragment:
         raise section.error("redis_url", f"must end in a database number, got {url!r}")
     password = unquote(parts.password) if parts.password else None
-    password_env = section.string("password_env")
-    if password_env is not None:
+    if "password_env" in section.table:
         if password is not None:
             raise section.error("password_env", "the redis_url already has a password")
-        if password_env not in environ:
-            raise section.error("password_env", f"environment variable {password_env} is not set")
-        password = environ[password_env]
+        password = _secret(section, "password_env", environ)
     return ClusterConfig(
         host=parts.hostname,
         port=port,

@@ -284,19 +284,11 @@ class Cluster:
     async def _rejoin(self) -> None:
         """Take the lease, send what could not be sent, rebuild every line, renew."""
         await self._renew()
-        for (line_key, slot), args in list(self.unsent.items()):
-            line = self.lines.get(line_key)
-            if line is not None:
-                await self.line_call(line, "release", slot, *args)
-            del self.unsent[(line_key, slot)]
+        await self._send_unsent()
         await self.rebuild()
         self.live = True
         self._end_grace()
-        for (line_key, slot), args in list(self.unsent.items()):  # given back while rebuilding
-            line = self.lines.get(line_key)
-            if line is not None:
-                self.line_call(line, "release", slot, *args).addErrback(self._not_rebuilt)
-            del self.unsent[(line_key, slot)]
+        await self._send_unsent()  # slots given back while rebuilding
         if self.lost_at is not None:
             log.info(
                 "the shared line at {url} is back after {seconds:.1f}s: its waiters are in "
@@ -309,6 +301,14 @@ class Cluster:
         self._renewal = LoopingCall(self._tick)
         self._renewal.clock = self.reactor
         self._renewal.start(self.config.lease / 3, now=False).addErrback(self._renewal_failed)
+
+    async def _send_unsent(self) -> None:
+        """The releases that could not be sent while the link was down."""
+        for (line_key, slot), args in list(self.unsent.items()):
+            line = self.lines.get(line_key)
+            if line is not None:
+                await self.line_call(line, "release", slot, *args)
+            del self.unsent[(line_key, slot)]
 
     def _where(self) -> str:
         host, port = self.address
@@ -385,15 +385,16 @@ class Cluster:
         epoch_key = self.key("epoch")
         await self._commands.set(epoch_key, secrets.token_hex(8), only_if_not_exists=True)
         epoch = await self._commands.get(epoch_key)
+        lost_data = self._epoch is not None and epoch != self._epoch
         if self._failed_over:
             log.warn(
                 "the shared line's Redis failed over to {where}, which may lack the last "
                 "writes: counting running requests again",
                 where=self._where(),
             )
-        elif self._epoch is not None and epoch != self._epoch:
+        elif lost_data:
             log.warn("the shared line's Redis lost its data: counting running requests again")
-        if self._failed_over or (self._epoch is not None and epoch != self._epoch):
+        if self._failed_over or lost_data:
             await self._commands.set(self.key("settling"), "1", pexpire=int(self.settle * 1000))
         self._failed_over = False
         self._epoch = epoch

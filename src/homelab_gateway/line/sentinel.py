@@ -29,7 +29,7 @@ class _Switches(txredisapi.SubscriberProtocol):
         return ready
 
     def messageReceived(self, pattern: Any, channel: Any, message: Any) -> None:
-        self.factory.heard(str(message))
+        self.factory.on_switch(str(message))
 
 
 class _Watch(txredisapi.SubscriberFactory):  # type: ignore[misc]
@@ -42,9 +42,6 @@ class _Watch(txredisapi.SubscriberFactory):  # type: ignore[misc]
         super().__init__()
         self.on_switch = on_switch
         self.password = password
-
-    def heard(self, message: str) -> None:
-        self.on_switch(message)
 
 
 class Primary:

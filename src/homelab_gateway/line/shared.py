@@ -632,10 +632,12 @@ class RedisSource:
                 if not isinstance(d, Remote)
             ]
         )
-        for w, d in [] if self.cluster.live else list(self._local.items()):
-            if d not in line.dispatch and not d.called and w in self._requests:
-                # Its join ran, but its event was not replayed before the link went.
-                waited.append((d, self._requests[w], now))
+        if not self.cluster.live:  # a join that ran, its event not replayed before the link went
+            waited += [
+                (d, self._requests[w], now)
+                for w, d in self._local.items()
+                if d not in line.dispatch and not d.called and w in self._requests
+            ]
         for member in line.members:
             member.share = None
         self._forget_copy()
