@@ -1031,3 +1031,14 @@ def test_text_split_between_any_utf16_units_reassembles_exactly(
         encode_event(event)
     assert check_stream(events) == "complete"
     assert text_of(events, 0) == text
+
+
+def test_a_count_past_what_json_writes_back_is_ignored() -> None:
+    """An upstream's usage of 2e19 tokens would make every later frame unwritable (orjson
+    refuses integers past 64 bits): it is no count. A lone surrogate sends the chunk to the
+    standard library's decoder, which reads it as an int (orjson, as a float)."""
+    usage = (b"3", b"20000000000000000003", b"20000000000000000000")
+    stream = vllm_event(b"content", b"\\ud83d", usage) + b"data: [DONE]\n\n"
+    by_byte, whole, _ = by_byte_and_whole(stream)
+    assert by_byte == whole
+    assert b"20000000000000000000" not in whole

@@ -423,8 +423,13 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+MAX_COUNT = 10**18
+"""Counts from here on are an upstream's nonsense, and ignored: `_COUNT`'s 18 digits, which
+orjson writes back (it refuses integers past 64 bits)."""
+
+
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
 
 
 def _upstream_error(error: Any) -> tuple[str, str]:
