@@ -109,6 +109,7 @@ class Cluster:
         self.address = (config.host, config.port)
         self._primary = Primary(config, reactor, self._switched) if config.sentinels else None
         self._failed_over = False  # linked to another primary than before: count again
+        self._switched_to: str | None = None  # the last switch a Sentinel told
         # How long one attempt to reach Redis may take: the connection, and the Sentinels.
         self._attempt = min(5.0, config.lease / 2) + (config.lease if config.sentinels else 0.0)
         self._seq = 0
@@ -201,6 +202,8 @@ class Cluster:
     async def _connect(self) -> None:
         config = self.config
         if self._primary is not None:  # asked again before every connection
+            await self._primary.watch()
+            self._switched_to = None
             address = await self._primary.find()
             if address != self.address and self.address[1]:
                 self._failed_over = True
@@ -228,7 +231,14 @@ class Cluster:
             role = await self._commands.execute_command("ROLE")
             if role[0] != "master":  # a Sentinel's answer from before a failover
                 raise txredisapi.ConnectionError(f"{self._where()} is a {role[0]} now")
-            self._primary.watch()
+            if self._switched_to not in (None, f"{host}:{port}"):  # told while connecting
+                reason = f"Sentinel switched the primary to {self._switched_to} while connecting"
+                log.info(
+                    "{reason} to {where}: connecting there instead",
+                    reason=reason,
+                    where=self._where(),
+                )
+                raise txredisapi.ConnectionError(reason)
 
     async def _open(self, host: str, port: int, options: dict[str, Any]) -> Any:
         """One connection, ready (its AUTH and SELECT answered) within one attempt's time: a
@@ -247,7 +257,9 @@ class Cluster:
 
     def _switched(self, address: str) -> None:
         """A Sentinel promoted another primary: drop the link, to connect there (each
-        Sentinel says so: once linked there, the others' word changes nothing)."""
+        Sentinel says so: once linked there, the others' word changes nothing). Told while
+        connecting, the connection under way is given up (`_connect`)."""
+        self._switched_to = address
         if address != "{}:{}".format(*self.address):
             self.drop(f"Sentinel switched the primary to {address}")
 

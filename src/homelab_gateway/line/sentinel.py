@@ -2,7 +2,8 @@
 
 The primary is asked of the Sentinels before every connection (txredisapi's `Sentinel`, which
 takes the first Sentinel to name a primary that none thinks down), and each Sentinel is
-watched for `+switch-master` while linked: a failover drops the link, so the gateway connects
+watched for `+switch-master`, subscribed before the first question, so that a failover after an
+answer is always heard: it drops the link (or the connection under way), so the gateway connects
 to the promoted replica and rebuilds its lines there, counting its running requests again as
 after a restart (a replica may not have the last writes). txredisapi's own `master_for`
 connection is not used: it reconnects by itself, and the line must see the link go and come
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import txredisapi
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.endpoints import HostnameEndpoint
 
 from homelab_gateway.config import ClusterConfig
@@ -25,8 +28,12 @@ SWITCH = "+switch-master"  # Sentinel's event: "<name> <old ip> <old port> <new 
 class _Switches(txredisapi.SubscriberProtocol):
     def connectionMade(self) -> Any:
         ready = super().connectionMade()
-        self.subscribe(SWITCH)
+        self.subscribe(SWITCH).addCallback(lambda _: self.factory.heard())
         return ready
+
+    def connectionLost(self, why: Any) -> Any:
+        self.factory.subscribed = False
+        return super().connectionLost(why)
 
     def messageReceived(self, pattern: Any, channel: Any, message: Any) -> None:
         self.factory.on_switch(str(message))
@@ -42,6 +49,21 @@ class _Watch(txredisapi.SubscriberFactory):  # type: ignore[misc]
         super().__init__()
         self.on_switch = on_switch
         self.password = password
+        self.subscribed = False
+        self._waiting: list[Deferred[None]] = []
+
+    def heard(self) -> None:
+        self.subscribed = True
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.callback(None)
+
+    def when_subscribed(self) -> Deferred[None]:
+        if self.subscribed:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._waiting.append(d)
+        return d
 
 
 class Primary:
@@ -70,13 +92,23 @@ class Primary:
         host, port = await self._sentinels.discover_master(self.config.sentinel_master)
         return str(host), int(port)
 
-    def watch(self) -> None:
-        if self._watches:
-            return
-        for host, port in self.config.sentinels:
-            watch = _Watch(self._switched, self.config.sentinel_password)
-            watch.startConnecting(HostnameEndpoint(self.reactor, host, port))
-            self._watches.append(watch)
+    async def watch(self) -> None:
+        """Subscribed to a Sentinel's switches, within a lease (TimeoutError if not): asked
+        before `find`, so a failover after its answer is told."""
+        if not self._watches:
+            for host, port in self.config.sentinels:
+                watch = _Watch(self._switched, self.config.sentinel_password)
+                watch.startConnecting(HostnameEndpoint(self.reactor, host, port))
+                self._watches.append(watch)
+        first = DeferredList(
+            [watch.when_subscribed() for watch in self._watches],
+            fireOnOneCallback=True,
+            consumeErrors=True,
+        )
+        try:
+            await first.addTimeout(self.config.lease, self.reactor)
+        except DeferredTimeout:
+            raise TimeoutError("no Sentinel took the subscription to its switches") from None
 
     def _switched(self, message: str) -> None:
         name, *_, host, port = message.split()
