@@ -104,7 +104,7 @@ class Cluster:
         self._reader: Any = None
         self._watchdog: LoopingCall | None = None
         self._grace: IDelayedCall | None = None  # ends the outage's grace
-        self._joined_at = 0.0
+        self._sweeps_from = 0.0  # no sweeps before this time (`_tick`)
         # Where Redis is: the config's, or the primary the Sentinels name (`sentinel`).
         self.address = (config.host, config.port)
         self._primary = Primary(config, reactor, self._switched) if config.sentinels else None
@@ -309,7 +309,7 @@ class Cluster:
                 seconds=self.reactor.seconds() - self.lost_at,
             )
         self.lost_at = None
-        self._joined_at = self.reactor.seconds()
+        self._sweeps_from = self.reactor.seconds() + self.settle
         self._renewal = LoopingCall(self._tick)
         self._renewal.clock = self.reactor
         self._renewal.start(self.config.lease / 3, now=False).addErrback(self._renewal_failed)
@@ -336,10 +336,16 @@ class Cluster:
     async def _tick(self) -> None:
         """Every third of a lease: renew it, sweep the silent, and let each line claim what
         its copy shows free (a claim lost to a race is retried here at the latest). Nobody is
-        swept for `SETTLE` seconds after this gateway (re)joins: after Redis was away (paused,
-        its leases run out meanwhile), every gateway renews its lease within its back-off."""
+        swept for `settle` seconds after this gateway (re)joins, nor after a renewal that took
+        a quarter of a lease: Redis was away (paused) long enough for others' leases to run out
+        meanwhile (2/3 of a lease; this renewal then waited a third at least), and every
+        gateway renews its own within its back-off."""
+        asked = self.reactor.seconds()
         await self._renew()
-        sweep = self.reactor.seconds() - self._joined_at >= self.settle
+        now = self.reactor.seconds()
+        if now - asked > self.config.lease / 4:
+            self._sweeps_from = max(self._sweeps_from, now + self.settle)
+        sweep = now >= self._sweeps_from
         for line in list(self.lines.values()):
             if sweep:
                 await self.line_call(line, "sweep")
