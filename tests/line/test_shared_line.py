@@ -315,6 +315,22 @@ class SharedOnly(TestCase):
         self.assertLess(reactor.seconds() - started, LEASE)
 
     @async_test
+    async def test_a_clean_stop_sweeps_its_own_share_alone(self) -> None:
+        """Another gateway's lease ran out in a pause of Redis, and it has not renewed it yet:
+        a gateway stopping then takes nothing of what the other still runs."""
+        _, b = await self.backend.start(self, 2, 2)
+        held = Waiter(b, "held")
+        await self.backend.settle()
+        assert held.slot is not None
+        other = self.backend.clusters[1]
+        other._renewal.stop()  # type: ignore[union-attr]
+        self.backend.redis.command("DEL", other.lease_key)
+        await self.backend.clusters[0].stop()
+        slots = self.backend.prefix + "upstream:vllm:slots"
+        self.assertEqual(self.backend.redis.command("HLEN", slots), 1)
+        self.assertEqual(b.in_use, 1)
+
+    @async_test
     async def test_redis_away_keeps_every_place_and_restarted_empty_serves_them_in_order(
         self,
     ) -> None:

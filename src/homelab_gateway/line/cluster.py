@@ -154,7 +154,8 @@ class Cluster:
 
     async def stop(self) -> None:
         """A clean stop: the lease goes at once and whatever this gateway still holds or
-        awaits is swept now, so the others do not wait `lease` seconds for it."""
+        awaits is swept now, so the others do not wait `lease` seconds for it (its own
+        alone: a lease that ran out in a pause of Redis is renewed within its back-off)."""
         self._running = False
         if self._renewal is not None and self._renewal.running:
             self._renewal.stop()
@@ -164,7 +165,7 @@ class Cluster:
             try:
                 await self._commands.delete(self.lease_key)
                 for line in list(self.lines.values()):
-                    await self.line_call(line, "sweep")
+                    await self.line_call(line, "sweep", self.instance)
             except LINK_FAILURES as e:  # stopping anyway; the lease expires
                 log.warn("could not give back this gateway's share at stop: {e}", e=e)
         self.live = False  # a stop, not a loss: nothing to tell the lines or the log

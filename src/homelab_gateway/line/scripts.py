@@ -149,12 +149,18 @@ return 1
 """
 
 # Free what gateways whose lease expired held: their waiters leave, their slots are released.
+# ARGV: a gateway's instance to free what it alone held (its clean stop), or none.
 SWEEP = """
+local only = ARGV[5]
 local alive = {}
 local function live(id)
   local owner = string.match(id, '^(.*)/[^/]*$') or id
   if alive[owner] == nil then
-    alive[owner] = redis.call('EXISTS', LEASES .. owner) == 1
+    if only then
+      alive[owner] = owner ~= only
+    else
+      alive[owner] = redis.call('EXISTS', LEASES .. owner) == 1
+    end
   end
   return alive[owner]
 end
