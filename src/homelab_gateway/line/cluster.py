@@ -109,8 +109,10 @@ class Cluster:
         self.address = (config.host, config.port)
         self._primary = Primary(config, reactor, self._switched) if config.sentinels else None
         self._failed_over = False  # linked to another primary than before: count again
-        self._switched_to: str | None = None  # the last switch a Sentinel told
-        # How long one attempt to reach Redis may take: the connection, and the Sentinels.
+        self._switch: tuple[tuple[str, int], float] | None = None  # the last told, and when
+        self._connecting: Deferred[None] | None = None  # the attempt under way (`_connect`)
+        # How long one attempt to reach Redis may take: the connection, and the Sentinels'
+        # answer (their watch is subscribed once, long before a failover).
         self._attempt = min(5.0, config.lease / 2) + (config.lease if config.sentinels else 0.0)
         self._seq = 0
         self._last_id = "0-0"
@@ -161,6 +163,8 @@ class Cluster:
             self._renewal.stop()
         if self._pause is not None:
             self._pause.cancel()
+        if self._connecting is not None:  # the Sentinels, a connection: linked to nothing
+            self._connecting.cancel()
         if self.live:
             try:
                 await self._commands.delete(self.lease_key)
@@ -180,10 +184,16 @@ class Cluster:
         delay = BACKOFF[0]
         while self._running:
             try:
-                await self._connect()
+                self._connecting = Deferred.fromCoroutine(self._connect())
+                try:
+                    await self._connecting
+                finally:
+                    self._connecting = None
                 await self._rejoin()
                 delay = BACKOFF[0]
                 await self._follow()
+            except CancelledError:  # the attempt given up: a stop, or a failover (`_switched`)
+                delay = BACKOFF[0]
             except LINK_FAILURES as e:
                 if self._running:
                     self.last_error = str(e) or type(e).__name__
@@ -204,8 +214,7 @@ class Cluster:
         config = self.config
         if self._primary is not None:  # asked again before every connection
             await self._primary.watch()
-            self._switched_to = None
-            address = await self._primary.find()
+            address = self._told() or await self._primary.find()
             if address != self.address and self.address[1]:
                 self._failed_over = True
             self.address = address
@@ -232,14 +241,6 @@ class Cluster:
             role = await self._commands.execute_command("ROLE")
             if role[0] != "master":  # a Sentinel's answer from before a failover
                 raise txredisapi.ConnectionError(f"{self._where()} is a {role[0]} now")
-            if self._switched_to not in (None, f"{host}:{port}"):  # told while connecting
-                reason = f"Sentinel switched the primary to {self._switched_to} while connecting"
-                log.info(
-                    "{reason} to {where}: connecting there instead",
-                    reason=reason,
-                    where=self._where(),
-                )
-                raise txredisapi.ConnectionError(reason)
 
     async def _open(self, host: str, port: int, options: dict[str, Any]) -> Any:
         """One connection, ready (its AUTH and SELECT answered) within one attempt's time: a
@@ -257,12 +258,34 @@ class Cluster:
         return connection
 
     def _switched(self, address: str) -> None:
-        """A Sentinel promoted another primary: drop the link, to connect there (each
-        Sentinel says so: once linked there, the others' word changes nothing). Told while
-        connecting, the connection under way is given up (`_connect`)."""
-        self._switched_to = address
-        if address != "{}:{}".format(*self.address):
-            self.drop(f"Sentinel switched the primary to {address}")
+        """A Sentinel promoted another primary: connect there. The link to another is dropped,
+        a connection under way given up; once linked there, the other Sentinels' word (each
+        tells the switch) changes nothing."""
+        host, port = address.rsplit(":", 1)
+        told = (host, int(port))
+        self._switch = (told, self.reactor.seconds())
+        if told == self.address:
+            return
+        reason = f"Sentinel switched the primary to {address}"
+        if self._connecting is None:
+            self.drop(reason)
+            return
+        log.info(
+            "{reason} while connecting to {where}: connecting there instead",
+            reason=reason,
+            where=self._where(),
+        )
+        self.last_error = reason
+        self._connecting.cancel()
+
+    def _told(self) -> tuple[str, int] | None:
+        """The primary the last `+switch-master` named, for a lease after it was told: a
+        Sentinel yet to hear of the failover names the old one, which, awake again, calls
+        itself primary until Sentinel turns it into a replica."""
+        if self._switch is None:
+            return None
+        address, at = self._switch
+        return address if self.reactor.seconds() - at < self.config.lease else None
 
     def _watch(self, *links: Liveness) -> None:
         """A turn of the watchdog: a connection whose command Redis left unanswered for its

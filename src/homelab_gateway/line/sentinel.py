@@ -1,13 +1,12 @@
 """Where the cluster's Redis primary is, when Redis Sentinel manages it (`[cluster] sentinels`).
 
 The primary is asked of the Sentinels before every connection (txredisapi's `Sentinel`, which
-takes the first Sentinel to name a primary that none thinks down), and each Sentinel is
-watched for `+switch-master`, subscribed before the first question, so that a failover after an
-answer is always heard: it drops the link (or the connection under way), so the gateway connects
-to the promoted replica and rebuilds its lines there, counting its running requests again as
-after a restart (a replica may not have the last writes). txredisapi's own `master_for`
-connection is not used: it reconnects by itself, and the line must see the link go and come
-back to rebuild.
+takes the first Sentinel to name a primary that none thinks down). Each Sentinel is watched for
+`+switch-master`, subscribed before the first question so that a failover after an answer is
+always told: the gateway then connects to the promoted replica and rebuilds its lines there,
+counting its running requests again as after a restart (a replica may not have the last
+writes). txredisapi's own `master_for` connection is not used: it reconnects by itself, and the
+line must see the link go and come back to rebuild.
 """
 
 from __future__ import annotations
@@ -16,19 +15,24 @@ from collections.abc import Callable
 from typing import Any
 
 import txredisapi
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.endpoints import HostnameEndpoint
+from twisted.logger import Logger
 
 from homelab_gateway.config import ClusterConfig
 
+log = Logger()
 SWITCH = "+switch-master"  # Sentinel's event: "<name> <old ip> <old port> <new ip> <new port>"
 
 
 class _Switches(txredisapi.SubscriberProtocol):
     def connectionMade(self) -> Any:
         ready = super().connectionMade()
-        self.subscribe(SWITCH).addCallback(lambda _: self.factory.heard())
+        # Lost before its reply (the Sentinel paused or restarted, or the stop): the watch
+        # connects again, and subscribes again.
+        subscribed = self.subscribe(SWITCH)
+        subscribed.addCallbacks(lambda _: self.factory.primary.heard(self.factory), lambda _: None)
         return ready
 
     def connectionLost(self, why: Any) -> Any:
@@ -36,7 +40,7 @@ class _Switches(txredisapi.SubscriberProtocol):
         return super().connectionLost(why)
 
     def messageReceived(self, pattern: Any, channel: Any, message: Any) -> None:
-        self.factory.on_switch(str(message))
+        self.factory.primary.switched(str(message))
 
 
 class _Watch(txredisapi.SubscriberFactory):  # type: ignore[misc]
@@ -45,25 +49,11 @@ class _Watch(txredisapi.SubscriberFactory):  # type: ignore[misc]
     protocol = _Switches
     maxDelay = 5.0
 
-    def __init__(self, on_switch: Callable[[str], None], password: str | None) -> None:
+    def __init__(self, primary: Primary, password: str | None) -> None:
         super().__init__()
-        self.on_switch = on_switch
+        self.primary = primary
         self.password = password
         self.subscribed = False
-        self._waiting: list[Deferred[None]] = []
-
-    def heard(self) -> None:
-        self.subscribed = True
-        waiting, self._waiting = self._waiting, []
-        for d in waiting:
-            d.callback(None)
-
-    def when_subscribed(self) -> Deferred[None]:
-        if self.subscribed:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._waiting.append(d)
-        return d
 
 
 class Primary:
@@ -78,6 +68,7 @@ class Primary:
         self.on_switch = on_switch
         self._sentinels: Any = None
         self._watches: list[_Watch] = []
+        self._waiting: list[Deferred[None]] = []  # `watch` calls, until a Sentinel subscribes
 
     async def find(self) -> tuple[str, int]:
         """The primary's address; MasterNotFoundError (a link failure) if no Sentinel names
@@ -94,23 +85,43 @@ class Primary:
 
     async def watch(self) -> None:
         """Subscribed to a Sentinel's switches, within a lease (TimeoutError if not): asked
-        before `find`, so a failover after its answer is told."""
+        before `find`, so that a failover after its answer is told."""
         if not self._watches:
             for host, port in self.config.sentinels:
-                watch = _Watch(self._switched, self.config.sentinel_password)
+                watch = _Watch(self, self.config.sentinel_password)
+                watch.deferred.addErrback(self._refused, f"{host}:{port}")
                 watch.startConnecting(HostnameEndpoint(self.reactor, host, port))
                 self._watches.append(watch)
-        first = DeferredList(
-            [watch.when_subscribed() for watch in self._watches],
-            fireOnOneCallback=True,
-            consumeErrors=True,
-        )
+        if any(watch.subscribed for watch in self._watches):
+            return
+        d: Deferred[None] = Deferred()
+        self._waiting.append(d)
         try:
-            await first.addTimeout(self.config.lease, self.reactor)
+            await d.addTimeout(self.config.lease, self.reactor)
         except DeferredTimeout:
-            raise TimeoutError("no Sentinel took the subscription to its switches") from None
+            raise TimeoutError(
+                f"no Sentinel took the subscription to its switches in {self.config.lease:g}s"
+            ) from None
+        finally:
+            if d in self._waiting:
+                self._waiting.remove(d)
 
-    def _switched(self, message: str) -> None:
+    def heard(self, watch: _Watch) -> None:
+        """`watch`'s Sentinel answered the subscription."""
+        watch.subscribed = True
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.callback(None)
+
+    def _refused(self, failure: Any, where: str) -> None:
+        """A Sentinel refused the watch's AUTH (txredisapi then stops trying it)."""
+        log.warn(
+            "Sentinel {where} refused the watch for failovers: {error}",
+            where=where,
+            error=failure.getErrorMessage(),
+        )
+
+    def switched(self, message: str) -> None:
         name, *_, host, port = message.split()
         if name == self.config.sentinel_master:
             self.on_switch(f"{host}:{port}")
