@@ -7,13 +7,17 @@ from __future__ import annotations
 import gc
 import itertools
 from collections.abc import Callable
+from typing import Any
 
+import txredisapi
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import ClusterConfig
+from homelab_gateway.line import cluster as cluster_module
 from homelab_gateway.line.cluster import SETTLE, Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.sentinel import SWITCH, Primary, _Watch
@@ -172,7 +176,7 @@ class StaleAnswer(TestCase):
     async def test_a_sentinel_yet_to_hear_of_the_failover_is_not_believed(self) -> None:
         """Linked to the old primary when a Sentinel tells the switch; the next Sentinel asked
         has not heard of it yet and names the old one, awake and calling itself primary."""
-        cluster, sentinels = self.gateway()
+        cluster, sentinels = self.gateway(lease=10.0)
         self.started(cluster)
         await wait_for(lambda: cluster.live, what="linked")
         sentinels.stale = 1
@@ -182,6 +186,20 @@ class StaleAnswer(TestCase):
         self.assertEqual(cluster.address, ("127.0.0.1", sentinels.new.port))
         settling = sentinels.new.command("EXISTS", cluster.key("settling"))
         self.assertEqual(settling, 1, "no grants while every gateway counts its requests again")
+
+    @async_test
+    async def test_a_switch_told_between_two_attempts_is_acted_on_at_once(self) -> None:
+        """The primary died: attempts to it are refused and the pause between them grows to
+        its longest (a minute here). The switch cuts the pause short."""
+        self.patch(cluster_module, "BACKOFF", (60.0, 60.0))
+        cluster, sentinels = self.gateway()
+        self.started(cluster)
+        await wait_for(lambda: cluster.live, what="linked")
+        sentinels.old.stop()
+        await wait_for(lambda: cluster._pause is not None, what="a pause between attempts")
+        sentinels.fail_over(cluster)
+        await wait_for(lambda: cluster.live, what="linked to the promoted one")
+        self.assertEqual(cluster.address, ("127.0.0.1", sentinels.new.port))
 
     @async_test
     async def test_a_stop_while_the_sentinels_are_asked_links_nothing(self) -> None:
@@ -196,13 +214,16 @@ class StaleAnswer(TestCase):
         self.assertEqual(sentinels.old.command("EXISTS", cluster.lease_key), 0)
 
 
-def watching(port: int, lease: float, on_switch: Callable[[str], None]) -> Primary:
+def watching(
+    port: int, lease: float, on_switch: Callable[[str], None], password: str | None = None
+) -> Primary:
     config = ClusterConfig(
         host="",
         port=0,
         lease=lease,
         sentinels=(("127.0.0.1", port),),
         sentinel_master="main",
+        sentinel_password=password,
     )
     return Primary(config, reactor, on_switch)
 
@@ -236,18 +257,35 @@ class Watch(TestCase):
         self.assertEqual(primary._waiting, [])
 
     @async_test
-    async def test_a_silent_or_refusing_sentinel_leaves_no_unhandled_error(self) -> None:
-        paused, refusing = RedisServer(), RedisServer()
-        for server in (paused, refusing):
-            server.start()
-            self.addCleanup(server.close)
-        refusing.command("CONFIG", "SET", "requirepass", "secret")
+    async def test_a_silent_sentinel_leaves_no_unhandled_error(self) -> None:
+        paused = RedisServer()
+        paused.start()
+        self.addCleanup(paused.close)
         paused.pause()
         self.addCleanup(paused.resume)
-        for server in (paused, refusing):
-            primary = watching(server.port, 0.5, print)
-            with self.assertRaises(TimeoutError):
-                await primary.watch()
-            await primary.close()
+        primary = watching(paused.port, 0.5, print)
+        with self.assertRaises(TimeoutError):
+            await primary.watch()
+        await primary.close()  # the subscription's reply never came
         gc.collect()  # an unhandled error in a Deferred is logged when it is collected
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    @async_test
+    async def test_a_sentinel_refusing_the_password_is_told_once_per_connection(self) -> None:
+        refusing = RedisServer()
+        refusing.start()
+        self.addCleanup(refusing.close)
+        refusing.command("CONFIG", "SET", "requirepass", "secret")
+        said: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(said.append)
+        self.addCleanup(globalLogPublisher.removeObserver, said.append)
+        primary = watching(refusing.port, 0.5, print, password="wrong")
+        with self.assertRaises(TimeoutError):
+            await primary.watch()
+        with self.assertRaises(txredisapi.MasterNotFoundError):
+            await primary.find()
+        await primary.close()
+        refused = [e for e in said if "refused the gateway" in formatEvent(e)]
+        self.assertEqual(len(refused), 2, "the watch's connection and the question's")
+        gc.collect()
         self.assertEqual(self.flushLoggedErrors(), [])

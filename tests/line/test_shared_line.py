@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import deferLater
+from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import ClusterConfig
@@ -329,6 +331,66 @@ class SharedOnly(TestCase):
         slots = self.backend.prefix + "upstream:vllm:slots"
         self.assertEqual(self.backend.redis.command("HLEN", slots), 1)
         self.assertEqual(b.in_use, 1)
+
+    @async_test
+    async def test_a_stop_while_events_come_gives_its_share_back_and_loses_nothing(
+        self,
+    ) -> None:
+        """The reader's XREAD answers (another gateway's event, sent as the stop begins) while
+        the stop gives the share back: the stop is no lost line, and its sweep is not cut
+        off."""
+        await self.backend.start(self, 1, 2)
+        cluster = self.backend.clusters[0]
+        said: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(said.append)
+        self.addCleanup(globalLogPublisher.removeObserver, said.append)
+        await wait_for(lambda: cluster._reader.liveness.waiting == 1, what="XREAD blocked")
+        stopped = Deferred.fromCoroutine(cluster.stop())
+        event = orjson.dumps({"n": cluster._seq + 1, "l": "another line"}).decode()
+        self.backend.redis.command("XADD", cluster.key("events"), "*", "e", event)
+        await stopped
+        warned = [formatEvent(e) for e in said if e.get("log_level") >= LogLevel.warn]
+        self.assertEqual(warned, [])
+        self.assertIsNone(cluster._grace)
+        self.assertEqual(self.backend.redis.command("EXISTS", cluster.lease_key), 0)
+
+    @async_test
+    async def test_a_stop_while_rejoining_leaves_no_lease_and_no_timer(self) -> None:
+        """The stop comes while the snapshot is read; its reply lands as the stop closes the
+        reader (a TLS close takes a round trip), and the rejoin goes on to link."""
+        redis = RedisServer()
+        redis.start()
+        self.addCleanup(redis.close)
+        config = ClusterConfig(
+            host="127.0.0.1", port=redis.port, instance="gw", lease=5.0, prefix="j:"
+        )
+        cluster = Cluster(config, reactor)
+        stopping: list[Deferred[None]] = []
+        evaluate = cluster._eval
+
+        async def snapshot_then_stop(name: str, keys: Any, args: Any) -> Any:
+            d = Deferred.fromCoroutine(evaluate(name, keys, args))
+            if name == "snapshot" and not stopping:
+                reader = cluster._reader.connection
+                close = reader.disconnect
+
+                async def slow_close() -> None:
+                    await deferLater(reactor, 0.05, lambda: None)
+                    await close()
+
+                reader.disconnect = slow_close
+                stopping.append(Deferred.fromCoroutine(cluster.stop()))
+            return await d
+
+        cluster._eval = snapshot_then_stop  # type: ignore[method-assign]
+        cluster.start()
+        await wait_for(lambda: bool(stopping), what="a stop while the snapshot is read")
+        await stopping[0]
+        grace = cluster._grace
+        if grace is not None:
+            grace.cancel()
+        self.assertIsNone(grace, "a grace timer started after the stop")
+        self.assertEqual(redis.command("EXISTS", cluster.lease_key), 0, "the lease left")
 
     @async_test
     async def test_redis_away_keeps_every_place_and_restarted_empty_serves_them_in_order(

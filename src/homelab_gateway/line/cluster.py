@@ -165,7 +165,7 @@ class Cluster:
             self._pause.cancel()
         if self._connecting is not None:  # the Sentinels, a connection: linked to nothing
             self._connecting.cancel()
-        if self.live:
+        if self._watchdog is not None and self._watchdog.running:  # linked, or rejoining
             try:
                 await self._commands.delete(self.lease_key)
                 for line in list(self.lines.values()):
@@ -200,10 +200,13 @@ class Cluster:
             except Exception as e:  # a bug must not end the gateway's link for good
                 self.last_error = str(e) or type(e).__name__
                 log.failure("the shared line's replay failed; rebuilding it")
+            if not self._running:  # a stop, which gives back this gateway's share itself
+                if self._renewal is not None and self._renewal.running:
+                    self._renewal.stop()  # started by a rejoin the stop overtook
+                self.live = False
+                return
             self._set_lost()
             await self._disconnect()
-            if not self._running:
-                return
             self._pause = deferLater(self.reactor, delay, lambda: None)
             with suppress(CancelledError):  # a stop during the pause
                 await self._pause
@@ -259,14 +262,18 @@ class Cluster:
 
     def _switched(self, address: str) -> None:
         """A Sentinel promoted another primary: connect there. The link to another is dropped,
-        a connection under way given up; once linked there, the other Sentinels' word (each
-        tells the switch) changes nothing."""
+        a connection under way given up, a pause between two attempts cut short; once linked
+        there, the other Sentinels' word (each tells the switch) changes nothing."""
         host, port = address.rsplit(":", 1)
         told = (host, int(port))
         self._switch = (told, self.reactor.seconds())
         if told == self.address:
             return
         reason = f"Sentinel switched the primary to {address}"
+        if self._pause is not None:  # between two attempts: the next is now
+            self.last_error = reason
+            self._pause.cancel()
+            return
         if self._connecting is None:
             self.drop(reason)
             return
@@ -422,7 +429,7 @@ class Cluster:
 
     async def _check_epoch(self) -> None:
         """Whether Redis lost its data since this gateway last saw it: then no slot is granted
-        for `SETTLE` seconds, while every gateway reconnects (within its back-off) and counts
+        for `settle` seconds, while every gateway reconnects (within its back-off) and counts
         its running requests again, so a slot in use is never handed out as free."""
         epoch_key = self.key("epoch")
         await self._commands.set(epoch_key, secrets.token_hex(8), only_if_not_exists=True)

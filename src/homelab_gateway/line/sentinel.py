@@ -80,6 +80,10 @@ class Primary:
                 convertNumbers=False,
             )
             self._sentinels.discovery_timeout = self.config.lease
+            for (host, port), sentinel in zip(
+                self.config.sentinels, self._sentinels.sentinels, strict=True
+            ):  # `_connected`: the factory's Deferred of its first connection (txredisapi 1.6)
+                sentinel._connected.addErrback(self._refused, f"{host}:{port}")
         host, port = await self._sentinels.discover_master(self.config.sentinel_master)
         return str(host), int(port)
 
@@ -114,9 +118,9 @@ class Primary:
             d.callback(None)
 
     def _refused(self, failure: Any, where: str) -> None:
-        """A Sentinel refused the watch's AUTH (txredisapi then stops trying it)."""
+        """A Sentinel refused a connection's AUTH (txredisapi then stops trying it)."""
         log.warn(
-            "Sentinel {where} refused the watch for failovers: {error}",
+            "Sentinel {where} refused the gateway: {error}",
             where=where,
             error=failure.getErrorMessage(),
         )
