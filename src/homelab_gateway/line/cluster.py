@@ -159,8 +159,7 @@ class Cluster:
         awaits is swept now, so the others do not wait `lease` seconds for it (its own
         alone: a lease that ran out in a pause of Redis is renewed within its back-off)."""
         self._running = False
-        if self._renewal is not None and self._renewal.running:
-            self._renewal.stop()
+        _halt(self._renewal)
         if self._pause is not None:
             self._pause.cancel()
         if self._connecting is not None:  # the Sentinels, a connection: linked to nothing
@@ -201,8 +200,7 @@ class Cluster:
                 self.last_error = str(e) or type(e).__name__
                 log.failure("the shared line's replay failed; rebuilding it")
             if not self._running:  # a stop, which gives back this gateway's share itself
-                if self._renewal is not None and self._renewal.running:
-                    self._renewal.stop()  # started by a rejoin the stop overtook
+                _halt(self._renewal)  # started by a rejoin the stop overtook
                 self.live = False
                 return
             self._set_lost()
@@ -305,8 +303,7 @@ class Cluster:
         """Close the link (the reader's loop ends, and with it the link: `lost`), to connect
         and rebuild afresh: Redis is silent, or a reply was lost and a copy cannot know what
         ran."""
-        if self._watchdog is not None and self._watchdog.running:
-            self._watchdog.stop()
+        _halt(self._watchdog)
         if self._reader is None:
             return
         self.last_error = reason
@@ -315,8 +312,7 @@ class Cluster:
                 connection.disconnect()
 
     async def _disconnect(self) -> None:
-        if self._watchdog is not None and self._watchdog.running:
-            self._watchdog.stop()
+        _halt(self._watchdog)
         self._watchdog = None
         for connection in (self._reader, self._commands):
             if connection is not None:
@@ -375,7 +371,7 @@ class Cluster:
         await self._renew()
         now = self.reactor.seconds()
         if now - asked > self.config.lease / 4:
-            self._sweeps_from = max(self._sweeps_from, now + self.settle)
+            self._sweeps_from = now + self.settle  # never earlier than a rejoin's
         sweep = now >= self._sweeps_from
         for line in list(self.lines.values()):
             if sweep:
@@ -389,8 +385,7 @@ class Cluster:
             self._reader.disconnect()
 
     def _set_lost(self) -> None:
-        if self._renewal is not None and self._renewal.running:
-            self._renewal.stop()
+        _halt(self._renewal)
         self._renewal = None
         if not self.live:
             return
@@ -560,6 +555,11 @@ class Cluster:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
         keys = [self.key("tokens", client), self.key("tokens", client, "total")]
         return ensureDeferred(self._eval(script, keys, list(args)))
+
+
+def _halt(loop: LoopingCall | None) -> None:
+    if loop is not None and loop.running:
+        loop.stop()
 
 
 def _pairs(flat: Sequence[str]) -> dict[str, str]:

@@ -325,8 +325,7 @@ class PositionedSemaphore(DeferredSemaphore):
     def enqueue(self, item: Any, request: Request, arrived: float) -> bool:
         """`item` waits (told nothing: `wait` tells). False if it went ahead of waiters of
         its client and class (it arrived before them: moved, or joining again)."""
-        dispatch = self.dispatch
-        last = dispatch.join(
+        last = self.dispatch.join(
             item, request.client, request.rank, arrived, request.want, request.retry
         )
         self.waiting.append(item)
