@@ -98,6 +98,16 @@ class HandsOutInOrder(TestCase):
         self.endpoint.connects[0].callback(made)
         self.assertEqual(self.pool._connections[KEY], [made], "kept for the next request")
 
+    def test_closing_cancels_a_connect_a_returned_connection_made_spare(self) -> None:
+        _, first = self.ask()
+        [connect] = self.endpoint.connects
+        self.pool._putConnection(KEY, returned := Connection("returned"))
+        self.reactor.advance(0)
+        self.assertEqual(first, [returned])
+        self.pool.closeCachedConnections()
+        self.assertEqual(self.endpoint.cancelled, [connect])
+        self.assertEqual(self.pool._asks, {})
+
     def test_a_failed_connect_fails_the_oldest_ask_it_leaves_uncovered(self) -> None:
         _, first = self.ask()
         _, second = self.ask()

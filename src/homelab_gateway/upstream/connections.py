@@ -73,8 +73,15 @@ class UpstreamPool(HTTPConnectionPool):
 
     def closeCachedConnections(self) -> Deferred[None]:
         """Close the idle connections, and from now on each one an answer gives back: a body
-        that ends after the gateway closed would otherwise be kept, with its idle timer."""
+        that ends after the gateway closed would otherwise be kept, with its idle timer. A
+        connect still under way for an ask a returned connection served is cancelled: it
+        would otherwise finish after the close, or keep its attempt timer past it."""
         self._closed = True
+        for key, asks in list(self._asks.items()):
+            connecting, asks.connecting = asks.connecting, []
+            for connect in connecting:
+                connect.cancel()
+            self._tidy(key, asks)
         return super().closeCachedConnections()
 
     def getConnection(self, key: Any, endpoint: Any) -> Deferred[Any]:
