@@ -282,6 +282,8 @@ def test_past_the_outage_grace_waiters_get_529_and_new_requests_too(
     assert (ready(a), ready(b)) == (503, 503)
     queued.join(GRACE + 20)  # waits out the grace, then hears why
     assert queued.status == 200 and "error" in queued.events and not queued.completed
+    # a's grace is timed from a's own loss, which may come a moment after b's
+    cluster["gateways"][0].wait_for_line(r"has been out of reach for")
     refused = Stream(a, "hello refused")
     refused.join(20)
     assert (refused.status, refused.retry_after) == (529, "5"), refused.error
