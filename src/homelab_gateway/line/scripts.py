@@ -149,7 +149,7 @@ return 1
 """
 
 # Free what gateways whose lease expired held: their waiters leave, their slots are released.
-# ARGV: a gateway's instance to free what it alone held (its clean stop), or none.
+# ARGV[5]: a gateway's instance to free what it alone held (its clean stop), or none.
 SWEEP = """
 local only = ARGV[5]
 local alive = {}
