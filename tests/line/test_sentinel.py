@@ -108,7 +108,7 @@ class Sentinels:
 
     def fail_over(self, cluster: Cluster) -> None:
         self.primary = self.new
-        cluster._switched(f"127.0.0.1:{self.new.port}")
+        cluster._switched(("127.0.0.1", self.new.port))
 
     async def watch(self) -> None:
         self.asked.append("watch")
@@ -215,7 +215,10 @@ class StaleAnswer(TestCase):
 
 
 def watching(
-    port: int, lease: float, on_switch: Callable[[str], None], password: str | None = None
+    port: int,
+    lease: float,
+    on_switch: Callable[[tuple[str, int]], None],
+    password: str | None = None,
 ) -> Primary:
     config = ClusterConfig(
         host="",
@@ -237,13 +240,13 @@ class Watch(TestCase):
         server = RedisServer()
         server.start()
         self.addCleanup(server.close)
-        told: list[str] = []
+        told: list[tuple[str, int]] = []
         primary = watching(server.port, 5.0, told.append)
         self.addCleanup(lambda: Deferred.fromCoroutine(primary.close()))
         await primary.watch()
         self.assertEqual(server.command("PUBLISH", SWITCH, "other 10.0.0.1 1 10.0.0.2 2"), 1)
         server.command("PUBLISH", SWITCH, "main 10.0.0.1 6379 10.0.0.2 6380")
-        await wait_for(lambda: told == ["10.0.0.2:6380"], what="the switch told")
+        await wait_for(lambda: told == [("10.0.0.2", 6380)], what="the switch told")
 
     def test_no_subscription_within_a_lease_is_a_timeout(self) -> None:
         clock = Clock()

@@ -258,16 +258,14 @@ class Cluster:
             raise
         return connection
 
-    def _switched(self, address: str) -> None:
+    def _switched(self, told: tuple[str, int]) -> None:
         """A Sentinel promoted another primary: connect there. The link to another is dropped,
         a connection under way given up, a pause between two attempts cut short; once linked
         there, the other Sentinels' word (each tells the switch) changes nothing."""
-        host, port = address.rsplit(":", 1)
-        told = (host, int(port))
         self._switch = (told, self.reactor.seconds())
         if told == self.address:
             return
-        reason = f"Sentinel switched the primary to {address}"
+        reason = "Sentinel switched the primary to {}:{}".format(*told)
         if self._pause is not None:  # between two attempts: the next is now
             self.last_error = reason
             self._pause.cancel()

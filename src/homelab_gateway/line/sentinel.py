@@ -61,7 +61,7 @@ class Primary:
     `on_switch` with the new address."""
 
     def __init__(
-        self, config: ClusterConfig, reactor: Any, on_switch: Callable[[str], None]
+        self, config: ClusterConfig, reactor: Any, on_switch: Callable[[tuple[str, int]], None]
     ) -> None:
         self.config = config
         self.reactor = reactor
@@ -128,7 +128,7 @@ class Primary:
     def switched(self, message: str) -> None:
         name, *_, host, port = message.split()
         if name == self.config.sentinel_master:
-            self.on_switch(f"{host}:{port}")
+            self.on_switch((host, int(port)))
 
     async def close(self) -> None:
         for watch in self._watches:
