@@ -303,6 +303,14 @@ def chat(
     }
 
 
+def capture_log(test: Any) -> list[dict[str, Any]]:
+    """Every log event emitted while `test` runs."""
+    logged: list[dict[str, Any]] = []
+    globalLogPublisher.addObserver(logged.append)
+    test.addCleanup(globalLogPublisher.removeObserver, logged.append)
+    return logged
+
+
 def capture_request_log(test: Any) -> list[dict[str, Any]]:
     """The request log events (`homelab_gateway.requests`) emitted while `test` runs."""
     logged: list[dict[str, Any]] = []

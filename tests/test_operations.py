@@ -10,13 +10,14 @@ from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
 from homelab_gateway.web.access import AccessPolicy
 from tests.grammar import check_stream
 from tests.helpers import (
     Servers,
+    capture_log,
     capture_request_log,
     chat,
     gateway_document,
@@ -123,9 +124,7 @@ class QuietLog(LLMSurface):
     async def test_a_request_logs_its_own_line_and_no_connection_of_its_upstream(self) -> None:
         """One line per request, the gateway's: not Twisted's "Starting factory" and "Stopping
         factory" pair for each upstream connection it opens."""
-        events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        events = capture_log(self)
         responses = [raw_request(self.port, "POST", "/llm/v1/messages", chat()) for _ in range(2)]
         for response in responses:
             await response.closed

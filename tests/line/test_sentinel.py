@@ -7,13 +7,12 @@ from __future__ import annotations
 import gc
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import txredisapi
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import ClusterConfig
@@ -22,7 +21,7 @@ from homelab_gateway.line.cluster import SETTLE, Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.sentinel import SWITCH, Primary, _Watch
 from homelab_gateway.line.shared import shared_line
-from tests.helpers import PATIENCE, wait_for
+from tests.helpers import PATIENCE, capture_log, wait_for
 from tests.line.test_shared_line import Waiter
 from tests.redis_server import RedisServer, SentinelSet
 from tests.surfaces.test_proxy import async_test
@@ -279,9 +278,7 @@ class Watch(TestCase):
         refusing.start()
         self.addCleanup(refusing.close)
         refusing.command("CONFIG", "SET", "requirepass", "secret")
-        said: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(said.append)
-        self.addCleanup(globalLogPublisher.removeObserver, said.append)
+        said = capture_log(self)
         primary = watching(refusing.port, 0.5, print, password="wrong")
         with self.assertRaises(TimeoutError):
             await primary.watch()

@@ -14,7 +14,7 @@ import orjson
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import deferLater
-from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import ClusterConfig
@@ -22,7 +22,7 @@ from homelab_gateway.core.line import CLASS_RANK
 from homelab_gateway.line.cluster import BACKOFF, SETTLE, Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot, Unavailable
 from homelab_gateway.line.shared import shared_line
-from tests.helpers import PATIENCE, PROMPTLY, wait_for
+from tests.helpers import PATIENCE, PROMPTLY, capture_log, wait_for
 from tests.redis_server import RedisServer
 from tests.surfaces.test_proxy import async_test
 
@@ -341,9 +341,7 @@ class SharedOnly(TestCase):
         off."""
         await self.backend.start(self, 1, 2)
         cluster = self.backend.clusters[0]
-        said: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(said.append)
-        self.addCleanup(globalLogPublisher.removeObserver, said.append)
+        said = capture_log(self)
         await wait_for(lambda: cluster._reader.liveness.waiting == 1, what="XREAD blocked")
         stopped = Deferred.fromCoroutine(cluster.stop())
         event = orjson.dumps({"n": cluster._seq + 1, "l": "another line"}).decode()
