@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import tomllib
 from pathlib import Path
 
@@ -12,13 +13,22 @@ from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import (
     DEFAULT_BACKLOG,
+    AuthConfig,
+    ClientConfig,
+    ClusterConfig,
     ConfigError,
+    ModelConfig,
+    QueueConfig,
+    RouteConfig,
+    ServerConfig,
+    UpstreamConfig,
     UsageConfig,
     auth_key_name,
     load_config,
     parse_config,
     with_backlog,
 )
+from homelab_gateway.config.keys import known_keys
 from homelab_gateway.service import shared_lines
 
 REPO = Path(__file__).resolve().parent.parent
@@ -533,3 +543,37 @@ def test_the_usage_ledger_keys(tmp_path: Path) -> None:
 )
 def test_usage_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert error(tmp_path, text).startswith(expected)
+
+
+TABLES = {
+    "server": ServerConfig,
+    "upstreams.NAME": UpstreamConfig,
+    "models.NAME": ModelConfig,
+    "auth": AuthConfig,
+    "clients.NAME": ClientConfig,
+    "queue": QueueConfig,
+    "usage": UsageConfig,
+    "cluster": ClusterConfig,
+    "[routes]": RouteConfig,
+}
+
+
+def documented_keys() -> dict[str, set[str]]:
+    """The keys in the first column of each table's key table in docs/configuration.md."""
+    keys: dict[str, set[str]] = {}
+    table = None
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        heading = re.match(r"## `\[(.+?)\]`", line)
+        if heading:
+            table = heading.group(1)
+        elif line.startswith("## "):
+            table = None
+        elif table is not None and line.startswith("| `"):
+            first = line.split("|")[1]
+            keys.setdefault(table, set()).update(re.findall(r"`([a-z_0-9]+)`", first))
+    return keys
+
+
+def test_every_key_is_documented_and_every_documented_key_exists() -> None:
+    """A key is its dataclass field: adding one without its row in the docs fails here."""
+    assert documented_keys() == {name: known_keys(cls) for name, cls in TABLES.items()}
