@@ -13,6 +13,7 @@ from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import (
     DEFAULT_BACKLOG,
+    UPSTREAM_KINDS,
     AuthConfig,
     ClientConfig,
     ClusterConfig,
@@ -577,3 +578,25 @@ def documented_keys() -> dict[str, set[str]]:
 def test_every_key_is_documented_and_every_documented_key_exists() -> None:
     """A key is its dataclass field: adding one without its row in the docs fails here."""
     assert documented_keys() == {name: known_keys(cls) for name, cls in TABLES.items()}
+
+
+def test_an_upstream_is_vllm_unless_its_kind_says_otherwise() -> None:
+    upstreams = {
+        "v": {"url": "http://v/v1", "slots": 1},
+        **{kind: {"url": "http://o/v1", "slots": 1, "kind": kind} for kind in UPSTREAM_KINDS},
+    }
+    config = parse_config({"upstreams": upstreams}, environ={})
+    assert config.upstreams["v"].kind == "vllm"
+    assert {config.upstreams[kind].kind for kind in UPSTREAM_KINDS} == {
+        "vllm",
+        "llama.cpp",
+        "ollama",
+        "openai",
+    }
+
+
+def test_an_unknown_kind_is_one_line_naming_kind(tmp_path: Path) -> None:
+    text = "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nkind = 'tgi'"
+    assert error(tmp_path, text) == (
+        "upstreams.v.kind: must be one of vllm, llama.cpp, ollama, openai, got 'tgi'"
+    )

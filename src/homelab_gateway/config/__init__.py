@@ -12,6 +12,7 @@ from homelab_gateway.config.listen import DEFAULT_BACKLOG, check_endpoint, with_
 from homelab_gateway.config.parse import auth_key_name, load_config, parse_config
 from homelab_gateway.config.tables import (
     DEFAULT_LISTEN,
+    UPSTREAM_KINDS,
     AuthConfig,
     ClientConfig,
     ClusterConfig,
@@ -27,6 +28,7 @@ from homelab_gateway.config.tables import (
 __all__ = [
     "DEFAULT_BACKLOG",
     "DEFAULT_LISTEN",
+    "UPSTREAM_KINDS",
     "AuthConfig",
     "ClientConfig",
     "ClusterConfig",

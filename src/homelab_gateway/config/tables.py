@@ -30,6 +30,7 @@ DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
 PRIORITY_CLASSES = ("interactive", "normal", "batch")  # best first; line.CLASSES agrees
 SHOW_REASONING = ("always", "when_requested")
 LOG_FORMATS = ("text", "json")
+UPSTREAM_KINDS = ("vllm", "llama.cpp", "ollama", "openai")  # "openai": any other server
 
 
 def _origin_problem(origin: str) -> str | None:
@@ -74,6 +75,7 @@ class UpstreamConfig:
     name: str = derived()
     url: str = http_url()
     slots: int = integer()
+    kind: str = choice(UPSTREAM_KINDS, "vllm")  # which server: its probe and its quirks
     api_key: str | None = derived("api_key_env", default=None)
     # Ollama sends response headers only after loading the model: 10 s would fail cold starts.
     connect_timeout: float = seconds(60.0)
