@@ -600,3 +600,53 @@ def test_an_unknown_kind_is_one_line_naming_kind(tmp_path: Path) -> None:
     assert error(tmp_path, text) == (
         "upstreams.v.kind: must be one of vllm, llama.cpp, ollama, openai, got 'tgi'"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[cluster]\nredis_url = 'redis://gw:hunter2@redis:99999/0'",
+            "cluster.redis_url: has a bad port: 'redis://gw:***@redis:99999/0'",
+        ),
+        (
+            "[cluster]\nredis_url = 'redis://:hunter2@redis/zero'",
+            "cluster.redis_url: must end in a database number, got 'redis://:***@redis/zero'",
+        ),
+        (
+            "[cluster]\nredis_url = 'redis://:hunter2@redis/0?ssl_cert_reqs=none'",
+            "cluster.redis_url: must end in a database number, "
+            "got 'redis://:***@redis/0?ssl_cert_reqs=none'",
+        ),
+        (
+            "[cluster]\nredis_url = 'http://hunter2@redis/0'",
+            "cluster.redis_url: must be a redis:// or rediss:// URL, got 'http://***@redis/0'",
+        ),
+        (
+            "[cluster]\nsentinels = 'redis://:hunter2@s:26379'\nsentinel_master = 'm'",
+            "cluster.sentinels: must be an array of 'host:port', got 'redis://:***@s:26379'",
+        ),
+        (
+            "[cluster]\nsentinels = ['redis://:hunter2@s:26379']\nsentinel_master = 'm'",
+            "cluster.sentinels: each must be 'host:port', got 'redis://:***@s:26379'",
+        ),
+        (
+            "[cluster]\nsentinels = ['gw:hunter2@s:26379']\nsentinel_master = 'm'",
+            "cluster.sentinels: each must be 'host:port', got 'gw:***@s:26379'",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://u:hunter2@x:port/v1'\nslots = 1",
+            "upstreams.v.url: has a bad port: 'http://u:***@x:port/v1'",
+        ),
+        (
+            "[upstreams.v]\nurl = 'ftp://u:hunter2@x/v1'\nslots = 1",
+            "upstreams.v.url: must be an http:// or https:// URL, got 'ftp://u:***@x/v1'",
+        ),
+        (
+            "[[routes]]\nprefix = '/nas/'\nurl = 'http://u:hunter2@nas/?a=1'",
+            "routes[0].url: must not have a query or fragment, got 'http://u:***@nas/?a=1'",
+        ),
+    ],
+)
+def test_no_error_line_shows_a_url_password(tmp_path: Path, text: str, expected: str) -> None:
+    assert error(tmp_path, text) == expected

@@ -4,7 +4,8 @@ its default and its check, so a table is read from its dataclass and a default i
 `Table.read()` reads every field that carries a reader (`seconds`, `integer`, ...), in
 declaration order; a field marked `derived("key", ...)` names keys its table's parser reads
 itself (a key from the environment, a URL split into parts); a field with neither is no key.
-Every mistake is one `ConfigError` line naming the key.
+Every mistake is one `ConfigError` line naming the key; a value it shows goes through
+`describe`, which masks a URL's password.
 """
 
 from __future__ import annotations
@@ -23,12 +24,28 @@ class ConfigError(Exception):
     """A user mistake in the configuration, worded for a person reading one log line."""
 
 
+def mask(value: str) -> str:
+    """`value` with the password of a URL in it (`scheme://user:password@host`, or a bare
+    `user:password@host`) as `***`; with no `:` before the `@`, all of what precedes it."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "", value
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return value
+    user = userinfo.partition(":")[0] + ":" if ":" in userinfo else ""
+    return f"{scheme}{sep}{user}***@{host}"
+
+
 def describe(value: Any) -> str:
-    """A value as an error line shows it."""
+    """A value as an error line shows it, which goes to the terminal and the log: never with
+    a URL's password."""
     if isinstance(value, dict):
         return "a table"
     if isinstance(value, list):
         return "an array"
+    if isinstance(value, str):
+        return repr(mask(value))
     return repr(value)
 
 

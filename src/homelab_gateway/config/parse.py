@@ -322,7 +322,9 @@ def _sentinels(table: Table, environ: Mapping[str, str]) -> dict[str, Any]:
     sentinels = []
     for entry in given:
         host, _, port = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        # A URL or user:password@ is no host (the Sentinels' password: sentinel_password_env).
+        plain = host and "@" not in host and "/" not in host
+        if not plain or not port.isdigit() or not 0 < int(port) < 65536:
             raise table.error("sentinels", f"each must be 'host:port', got {describe(entry)}")
         sentinels.append((host.strip("[]"), int(port)))
     return {
