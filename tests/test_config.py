@@ -650,3 +650,28 @@ def test_an_unknown_kind_is_one_line_naming_kind(tmp_path: Path) -> None:
 )
 def test_no_error_line_shows_a_url_password(tmp_path: Path, text: str, expected: str) -> None:
     assert error(tmp_path, text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[upstreams.v]\nurl = 'http://u:hunter2@x:8000/v1'\nslots = 1",
+            "upstreams.v.url: must not hold a user or password (the gateway sends no Basic "
+            "auth), got 'http://u:***@x:8000/v1'",
+        ),
+        (
+            "[upstreams.v]\nurl = 'https://hunter2@x/v1'\nslots = 1",
+            "upstreams.v.url: must not hold a user or password (the gateway sends no Basic "
+            "auth), got 'https://***@x/v1'",
+        ),
+        (
+            "[[routes]]\nprefix = '/nas/'\nurl = 'http://admin:hunter2@nas:5000'",
+            "routes[0].url: must not hold a user or password (the gateway sends no Basic "
+            "auth), got 'http://admin:***@nas:5000'",
+        ),
+    ],
+)
+def test_a_url_with_a_user_or_password_is_refused(tmp_path: Path, text: str, expected: str) -> None:
+    """Sent as it is, user:password@ makes every request fail with 502 "invalid hostname"."""
+    assert error(tmp_path, text) == expected

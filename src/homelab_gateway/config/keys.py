@@ -247,7 +247,7 @@ def strings(*, shape: str, check: Check) -> Any:
 
 
 def http_url(default: Any = MISSING) -> Any:
-    """An http:// or https:// base URL, without a trailing slash, query or fragment."""
+    """An http:// or https:// base URL, without a trailing slash, query, fragment or user."""
 
     def read(table: Table, name: str, default: Any) -> Any:
         value = table.string(name, default)
@@ -263,6 +263,12 @@ def http_url(default: Any = MISSING) -> Any:
             raise table.error(name, f"has a bad port: {shown}") from None
         if parts.query or parts.fragment:
             raise table.error(name, f"must not have a query or fragment, got {shown}")
+        if "@" in parts.netloc:
+            # Sent as it is, user:password@ is no host: every request would fail with 502.
+            raise table.error(
+                name,
+                f"must not hold a user or password (the gateway sends no Basic auth), got {shown}",
+            )
         return value.rstrip("/")
 
     return _field(read, default)
