@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import math
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from twisted.internet import reactor
@@ -675,3 +678,68 @@ def test_no_error_line_shows_a_url_password(tmp_path: Path, text: str, expected:
 def test_a_url_with_a_user_or_password_is_refused(tmp_path: Path, text: str, expected: str) -> None:
     """Sent as it is, user:password@ makes every request fail with 502 "invalid hostname"."""
     assert error(tmp_path, text) == expected
+
+
+UPSTREAM = {"url": "http://x/v1", "slots": 1}
+# A valid document for each table, and the path of the table in it.
+EACH_TABLE: list[tuple[type, str, dict[str, Any]]] = [
+    (ServerConfig, "server", {"server": {}}),
+    (UpstreamConfig, "upstreams.v", {"upstreams": {"v": UPSTREAM}}),
+    (ModelConfig, "models.m", {"upstreams": {"v": UPSTREAM}, "models": {"m": {"upstream": "v"}}}),
+    (RouteConfig, "routes[0]", {"routes": [{"prefix": "/r/", "url": "http://x"}]}),
+    (AuthConfig, "auth", {"auth": {}}),
+    (ClientConfig, "clients.c", {"clients": {"c": {"key_env": "K"}}}),
+    (QueueConfig, "queue", {"queue": {}}),
+    (ClusterConfig, "cluster", {"cluster": {"redis_url": "redis://x"}}),
+    (UsageConfig, "usage", {"usage": {}}),
+]
+EVERY_KEY = [
+    pytest.param(path, document, key, id=f"{path}.{key}")
+    for cls, path, document in EACH_TABLE
+    for key in sorted(known_keys(cls))
+]
+
+
+def with_key(document: dict[str, Any], path: str, key: str, value: Any) -> dict[str, Any]:
+    document = copy.deepcopy(document)
+    name, _, rest = path.partition(".")
+    table = document["routes"][0] if name == "routes[0]" else document[name]
+    (table[rest] if rest else table)[key] = value
+    return document
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(("path", "document", "key"), EVERY_KEY)
+def test_nan_and_inf_are_refused_for_every_key(
+    path: str, document: dict[str, Any], key: str, value: float
+) -> None:
+    """No setting takes inf as "never" (docs/configuration.md), and nan compares false with
+    everything: a timer, a weight or a share given either would fail every request."""
+    assert parse_config(document, environ={"K": "key"}) is not None  # the base is valid
+    with pytest.raises(ConfigError) as raised:
+        parse_config(with_key(document, path, key, value), source="<c>", environ={"K": "key"})
+    message = str(raised.value)
+    assert message.startswith(f"<c>: {path}") and "\n" not in message
+    assert re.search(rf"{re.escape(path)}\.{key}: |\b{key}\b", message), message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[server]\nstatus_sample_interval = nan", "server.status_sample_interval: must be a"),
+        ("[queue]\naging = nan", "queue.aging: must be a positive number of seconds, got nan"),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nidle_timeout = nan",
+            "upstreams.v.idle_timeout: must be a positive number of seconds, got nan",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nqueue_timeout = inf",
+            "upstreams.v.queue_timeout: must be a positive number of seconds, got inf",
+        ),
+        ("[clients.a]\nkey_env = 'K'\nweight = inf", "clients.a.weight: must be a positive number"),
+    ],
+)
+def test_what_made_every_request_a_500_is_one_line(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    assert error(tmp_path, text, environ={"K": "key"}).startswith(expected)

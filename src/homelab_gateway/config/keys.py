@@ -10,6 +10,7 @@ Every mistake is one `ConfigError` line naming the key; a value it shows goes th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, field, fields
 from typing import Any
@@ -179,12 +180,16 @@ def integer(default: Any = MISSING, *, minimum: int = 1) -> Any:
 
 
 def is_number(value: Any) -> bool:
-    """An integer or a float (TOML's booleans are no numbers here)."""
-    return not isinstance(value, bool) and isinstance(value, int | float)
+    """A finite integer or float. TOML's booleans are no numbers here, nor are nan (it
+    compares false with everything a timer or a share does) and inf (no setting takes it as
+    "never": docs/configuration.md)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value)
 
 
 def seconds(default: float) -> Any:
-    """A positive number of seconds."""
+    """A positive, finite number of seconds."""
 
     def read(table: Table, name: str, default: float) -> float:
         value = table.table.get(name, default)

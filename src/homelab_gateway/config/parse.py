@@ -284,6 +284,9 @@ def _parse_cluster(table: Table, server: ServerConfig, environ: Mapping[str, str
         return table.read(defaults, **_sentinels(table, environ))
     if "db" in table.table:
         raise table.error("db", "only with sentinels: a redis_url ends in its database")
+    for key in ("sentinel_master", "sentinel_password_env"):
+        if key in table.table:
+            raise table.error(key, "only with sentinels")
     url = table.string("redis_url", MISSING)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
