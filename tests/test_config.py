@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
+from twisted.web.test.requesthelper import DummyRequest
 
 from homelab_gateway.config import (
     DEFAULT_BACKLOG,
@@ -20,6 +22,7 @@ from homelab_gateway.config import (
     AuthConfig,
     ClientConfig,
     ClusterConfig,
+    Config,
     ConfigError,
     ModelConfig,
     QueueConfig,
@@ -33,7 +36,7 @@ from homelab_gateway.config import (
     with_backlog,
 )
 from homelab_gateway.config.keys import known_keys
-from homelab_gateway.service import shared_lines
+from homelab_gateway.service import Gateway, shared_lines
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -743,3 +746,29 @@ def test_what_made_every_request_a_500_is_one_line(
     tmp_path: Path, text: str, expected: str
 ) -> None:
     assert error(tmp_path, text, environ={"K": "key"}).startswith(expected)
+
+
+class ProtectMetricsWithClientKeys(TestCase):
+    """`[clients]` keys make keys required as `[auth]`'s do: protect_metrics then needs one."""
+
+    def refusal(self, config: Config, key: str | None) -> int | None:
+        gateway = Gateway(config, reactor)
+        self.addCleanup(lambda: ensureDeferred(gateway.close()))
+        request = DummyRequest([b"metrics"])
+        if key is not None:
+            request.requestHeaders.setRawHeaders(b"x-api-key", [key.encode()])
+        access = gateway.app.access
+        refused = access.refusal(request, protected=access.protect_metrics, draining=False)
+        return None if refused is None else refused.status
+
+    def test_any_configured_key_opens_metrics_and_status(self) -> None:
+        document = {
+            "auth": {"protect_metrics": True},
+            "clients": {"chat": {"key_env": "CHAT"}},
+            "usage": {"database": ":memory:"},
+        }
+        config = parse_config(document, environ={"CHAT": "chat-key"})
+        assert config.auth.protect_metrics and config.auth.api_keys is None
+        assert self.refusal(config, None) == 401
+        assert self.refusal(config, "other") == 401
+        assert self.refusal(config, "chat-key") is None

@@ -70,8 +70,8 @@ def parse_config(
         return {name: Table(source, f"{path}.{_quote(name)}", raw, cls) for name, raw in tables}
 
     server = table("server", ServerConfig).read()
-    auth = _parse_auth(table("auth", AuthConfig), environ)
     clients = _parse_clients(named("clients", ClientConfig), environ)
+    auth = _parse_auth(table("auth", AuthConfig), environ, client_keys=bool(clients))
     queue = table("queue", QueueConfig).read()
     upstreams = {
         name: _parse_upstream(name, upstream, environ)
@@ -202,7 +202,7 @@ def auth_key_name(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
-def _parse_auth(table: Table, environ: Mapping[str, str]) -> AuthConfig:
+def _parse_auth(table: Table, environ: Mapping[str, str], *, client_keys: bool) -> AuthConfig:
     keys: set[str] = set()
     configured = False
     env_name = table.string("api_keys_env")
@@ -222,12 +222,14 @@ def _parse_auth(table: Table, environ: Mapping[str, str]) -> AuthConfig:
         where = " or ".join(f for f in (env_name, file_name) if f)
         raise table.error("", f"no API keys found in {where}")
     auth = table.read(api_keys=frozenset(keys) if configured else None)
-    if auth.protect_metrics and not configured:
+    if auth.protect_metrics and not configured and not client_keys:
         # The operator asked for protection that cannot exist without keys; running open
-        # would hide that /llm and every route are open too.
+        # would hide that /llm and every route are open too. Any key, [auth]'s or a
+        # client's, opens what it protects.
         raise table.error(
             "protect_metrics",
-            "needs API keys (api_keys_env or api_keys_file); without them everything is open",
+            "needs API keys (api_keys_env or api_keys_file) or [clients]; "
+            "without them everything is open",
         )
     return auth
 
