@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 Check = Callable[[Any], str | None]  # a value's problem, worded for the error line, or None
-READ = "read"  # field metadata: (section, key, default) -> value
+READ = "read"  # field metadata: (table, key, default) -> value
 KEYS = "keys"  # field metadata: the TOML keys a derived field comes from
 
 

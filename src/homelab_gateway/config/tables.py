@@ -36,7 +36,7 @@ UPSTREAM_KINDS = ("vllm", "llama.cpp", "ollama", "openai")  # "openai": any othe
 def _origin_problem(origin: str) -> str | None:
     parts = urlsplit(origin)
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
-        return f"{origin!r} is not an origin (scheme://host[:port])"
+        return f"{describe(origin)} is not an origin (scheme://host[:port])"
     return None
 
 
@@ -44,7 +44,7 @@ def _network_problem(network: str) -> str | None:
     try:
         ipaddress.ip_network(network, strict=False)
     except ValueError:
-        return f"{network!r} is not an IP address or network"
+        return f"{describe(network)} is not an IP address or network"
     return None
 
 
@@ -118,9 +118,9 @@ class ModelConfig:
 
 def _prefix_problem(prefix: str) -> str | None:
     if not prefix.startswith("/") or not prefix.endswith("/") or prefix == "/":
-        return f"must start and end with '/' and not be '/', got {prefix!r}"
+        return f"must start and end with '/' and not be '/', got {describe(prefix)}"
     if prefix.startswith(("/llm/", "/healthz/", "/status/")):
-        return f"{prefix!r} is reserved for the gateway's own endpoints"
+        return f"{describe(prefix)} is reserved for the gateway's own endpoints"
     return None
 
 
