@@ -1,5 +1,8 @@
 """The configuration's tables as frozen dataclasses: each field is its key, with its default
-and its check (keys.py); the parser (parse.py) adds only what one key cannot say alone."""
+and its check (keys.py); the parser (parse.py) adds only what one key cannot say alone.
+
+A new key is its field here and its row in docs/configuration.md (a test compares the two).
+"""
 
 from __future__ import annotations
 
