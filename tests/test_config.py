@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import math
+import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
+from twisted.web.test.requesthelper import DummyRequest
 
 from homelab_gateway.config import (
     DEFAULT_BACKLOG,
+    UPSTREAM_KINDS,
+    AuthConfig,
+    ClientConfig,
+    ClusterConfig,
+    Config,
     ConfigError,
+    ModelConfig,
+    QueueConfig,
+    RouteConfig,
+    ServerConfig,
+    UpstreamConfig,
     UsageConfig,
     auth_key_name,
     load_config,
     parse_config,
     with_backlog,
 )
-from homelab_gateway.service import shared_lines
+from homelab_gateway.config.keys import known_keys
+from homelab_gateway.service import Gateway, shared_lines
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -533,3 +550,225 @@ def test_the_usage_ledger_keys(tmp_path: Path) -> None:
 )
 def test_usage_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert error(tmp_path, text).startswith(expected)
+
+
+TABLES = {
+    "server": ServerConfig,
+    "upstreams.NAME": UpstreamConfig,
+    "models.NAME": ModelConfig,
+    "auth": AuthConfig,
+    "clients.NAME": ClientConfig,
+    "queue": QueueConfig,
+    "usage": UsageConfig,
+    "cluster": ClusterConfig,
+    "[routes]": RouteConfig,
+}
+
+
+def documented_keys() -> dict[str, set[str]]:
+    """The keys in the first column of each table's key table in docs/configuration.md."""
+    keys: dict[str, set[str]] = {}
+    table = None
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        heading = re.match(r"## `\[(.+?)\]`", line)
+        if heading:
+            table = heading.group(1)
+        elif line.startswith("## "):
+            table = None
+        elif table is not None and line.startswith("| `"):
+            first = line.split("|")[1]
+            keys.setdefault(table, set()).update(re.findall(r"`([a-z_0-9]+)`", first))
+    return keys
+
+
+def test_every_key_is_documented_and_every_documented_key_exists() -> None:
+    """A key is its dataclass field: adding one without its row in the docs fails here."""
+    assert documented_keys() == {name: known_keys(cls) for name, cls in TABLES.items()}
+
+
+def test_an_upstream_is_vllm_unless_its_kind_says_otherwise() -> None:
+    upstreams = {
+        "v": {"url": "http://v/v1", "slots": 1},
+        **{kind: {"url": "http://o/v1", "slots": 1, "kind": kind} for kind in UPSTREAM_KINDS},
+    }
+    config = parse_config({"upstreams": upstreams}, environ={})
+    assert config.upstreams["v"].kind == "vllm"
+    assert {config.upstreams[kind].kind for kind in UPSTREAM_KINDS} == {
+        "vllm",
+        "llama.cpp",
+        "ollama",
+        "openai",
+    }
+
+
+def test_an_unknown_kind_is_one_line_naming_kind(tmp_path: Path) -> None:
+    text = "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nkind = 'tgi'"
+    assert error(tmp_path, text) == (
+        "upstreams.v.kind: must be one of vllm, llama.cpp, ollama, openai, got 'tgi'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[cluster]\nredis_url = 'redis://gw:hunter2@redis:99999/0'",
+            "cluster.redis_url: has a bad port: 'redis://gw:***@redis:99999/0'",
+        ),
+        (
+            "[cluster]\nredis_url = 'redis://:hunter2@redis/zero'",
+            "cluster.redis_url: must end in a database number, got 'redis://:***@redis/zero'",
+        ),
+        (
+            "[cluster]\nredis_url = 'redis://:hunter2@redis/0?ssl_cert_reqs=none'",
+            "cluster.redis_url: must end in a database number, "
+            "got 'redis://:***@redis/0?ssl_cert_reqs=none'",
+        ),
+        (
+            "[cluster]\nredis_url = 'http://hunter2@redis/0'",
+            "cluster.redis_url: must be a redis:// or rediss:// URL, got 'http://***@redis/0'",
+        ),
+        (
+            "[cluster]\nsentinels = 'redis://:hunter2@s:26379'\nsentinel_master = 'm'",
+            "cluster.sentinels: must be an array of 'host:port', got 'redis://:***@s:26379'",
+        ),
+        (
+            "[cluster]\nsentinels = ['redis://:hunter2@s:26379']\nsentinel_master = 'm'",
+            "cluster.sentinels: each must be 'host:port', got 'redis://:***@s:26379'",
+        ),
+        (
+            "[cluster]\nsentinels = ['gw:hunter2@s:26379']\nsentinel_master = 'm'",
+            "cluster.sentinels: each must be 'host:port', got 'gw:***@s:26379'",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://u:hunter2@x:port/v1'\nslots = 1",
+            "upstreams.v.url: has a bad port: 'http://u:***@x:port/v1'",
+        ),
+        (
+            "[upstreams.v]\nurl = 'ftp://u:hunter2@x/v1'\nslots = 1",
+            "upstreams.v.url: must be an http:// or https:// URL, got 'ftp://u:***@x/v1'",
+        ),
+        (
+            "[[routes]]\nprefix = '/nas/'\nurl = 'http://u:hunter2@nas/?a=1'",
+            "routes[0].url: must not have a query or fragment, got 'http://u:***@nas/?a=1'",
+        ),
+    ],
+)
+def test_no_error_line_shows_a_url_password(tmp_path: Path, text: str, expected: str) -> None:
+    assert error(tmp_path, text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[upstreams.v]\nurl = 'http://u:hunter2@x:8000/v1'\nslots = 1",
+            "upstreams.v.url: must not hold a user or password (the gateway sends no Basic "
+            "auth), got 'http://u:***@x:8000/v1'",
+        ),
+        (
+            "[upstreams.v]\nurl = 'https://hunter2@x/v1'\nslots = 1",
+            "upstreams.v.url: must not hold a user or password (the gateway sends no Basic "
+            "auth), got 'https://***@x/v1'",
+        ),
+        (
+            "[[routes]]\nprefix = '/nas/'\nurl = 'http://admin:hunter2@nas:5000'",
+            "routes[0].url: must not hold a user or password (the gateway sends no Basic "
+            "auth), got 'http://admin:***@nas:5000'",
+        ),
+    ],
+)
+def test_a_url_with_a_user_or_password_is_refused(tmp_path: Path, text: str, expected: str) -> None:
+    """Sent as it is, user:password@ makes every request fail with 502 "invalid hostname"."""
+    assert error(tmp_path, text) == expected
+
+
+UPSTREAM = {"url": "http://x/v1", "slots": 1}
+# A valid document for each table, and the path of the table in it.
+EACH_TABLE: list[tuple[type, str, dict[str, Any]]] = [
+    (ServerConfig, "server", {"server": {}}),
+    (UpstreamConfig, "upstreams.v", {"upstreams": {"v": UPSTREAM}}),
+    (ModelConfig, "models.m", {"upstreams": {"v": UPSTREAM}, "models": {"m": {"upstream": "v"}}}),
+    (RouteConfig, "routes[0]", {"routes": [{"prefix": "/r/", "url": "http://x"}]}),
+    (AuthConfig, "auth", {"auth": {}}),
+    (ClientConfig, "clients.c", {"clients": {"c": {"key_env": "K"}}}),
+    (QueueConfig, "queue", {"queue": {}}),
+    (ClusterConfig, "cluster", {"cluster": {"redis_url": "redis://x"}}),
+    (UsageConfig, "usage", {"usage": {}}),
+]
+EVERY_KEY = [
+    pytest.param(path, document, key, id=f"{path}.{key}")
+    for cls, path, document in EACH_TABLE
+    for key in sorted(known_keys(cls))
+]
+
+
+def with_key(document: dict[str, Any], path: str, key: str, value: Any) -> dict[str, Any]:
+    document = copy.deepcopy(document)
+    name, _, rest = path.partition(".")
+    table = document["routes"][0] if name == "routes[0]" else document[name]
+    (table[rest] if rest else table)[key] = value
+    return document
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(("path", "document", "key"), EVERY_KEY)
+def test_nan_and_inf_are_refused_for_every_key(
+    path: str, document: dict[str, Any], key: str, value: float
+) -> None:
+    """No setting takes inf as "never" (docs/configuration.md), and nan compares false with
+    everything: a timer, a weight or a share given either would fail every request."""
+    assert parse_config(document, environ={"K": "key"}) is not None  # the base is valid
+    with pytest.raises(ConfigError) as raised:
+        parse_config(with_key(document, path, key, value), source="<c>", environ={"K": "key"})
+    message = str(raised.value)
+    assert message.startswith(f"<c>: {path}") and "\n" not in message
+    assert re.search(rf"{re.escape(path)}\.{key}: |\b{key}\b", message), message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[server]\nstatus_sample_interval = nan", "server.status_sample_interval: must be a"),
+        ("[queue]\naging = nan", "queue.aging: must be a positive number of seconds, got nan"),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nidle_timeout = nan",
+            "upstreams.v.idle_timeout: must be a positive number of seconds, got nan",
+        ),
+        (
+            "[upstreams.v]\nurl = 'http://x/v1'\nslots = 1\nqueue_timeout = inf",
+            "upstreams.v.queue_timeout: must be a positive number of seconds, got inf",
+        ),
+        ("[clients.a]\nkey_env = 'K'\nweight = inf", "clients.a.weight: must be a positive number"),
+    ],
+)
+def test_what_made_every_request_a_500_is_one_line(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    assert error(tmp_path, text, environ={"K": "key"}).startswith(expected)
+
+
+class ProtectMetricsWithClientKeys(TestCase):
+    """`[clients]` keys make keys required as `[auth]`'s do: protect_metrics then needs one."""
+
+    def refusal(self, config: Config, key: str | None) -> int | None:
+        gateway = Gateway(config, reactor)
+        self.addCleanup(lambda: ensureDeferred(gateway.close()))
+        request = DummyRequest([b"metrics"])
+        if key is not None:
+            request.requestHeaders.setRawHeaders(b"x-api-key", [key.encode()])
+        access = gateway.app.access
+        refused = access.refusal(request, protected=access.protect_metrics, draining=False)
+        return None if refused is None else refused.status
+
+    def test_any_configured_key_opens_metrics_and_status(self) -> None:
+        document = {
+            "auth": {"protect_metrics": True},
+            "clients": {"chat": {"key_env": "CHAT"}},
+            "usage": {"database": ":memory:"},
+        }
+        config = parse_config(document, environ={"CHAT": "chat-key"})
+        assert config.auth.protect_metrics and config.auth.api_keys is None
+        assert self.refusal(config, None) == 401
+        assert self.refusal(config, "other") == 401
+        assert self.refusal(config, "chat-key") is None

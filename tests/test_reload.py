@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
+from twisted.logger import formatEvent
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from homelab_gateway.config import Config, parse_config
+from homelab_gateway.config import Config, load_config, parse_config
 from homelab_gateway.core.reload import config_changes
-from tests.helpers import chat, gateway_document, raw_request, wait_for
+from homelab_gateway.service import Gateway, GatewayService
+from tests.helpers import capture_log, chat, gateway_document, raw_request, wait_for
 from tests.surfaces.test_llm import LLMSurface
 from tests.surfaces.test_proxy import async_test
 
@@ -90,6 +97,29 @@ class Changes(SynchronousTestCase):
         lines = config_changes(config(BASE, K="s1"), config(keyed, K="s1", G="gw-secret,x"))
         self.assertEqual(lines, ["auth: API keys none (open) -> 2 configured"])
         self.assertNotIn("secret", " ".join(lines))
+
+
+class FailedReload(TestCase):
+    def test_the_logged_line_never_shows_a_url_password(self) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="hg-reload-"))
+        self.addCleanup(shutil.rmtree, folder)
+        path = folder / "gw.toml"
+        path.write_text("[usage]\ndatabase = ':memory:'\n")
+        running = load_config(path)
+        service = GatewayService(running, reactor, config_path=str(path))
+        service.gateway = gateway = Gateway(running, reactor)
+        self.addCleanup(lambda: ensureDeferred(gateway.close()))
+        path.write_text("[cluster]\nredis_url = 'redis://gw:hunter2@redis:99999/0'\n")
+        logged = capture_log(self)
+        service.reload("SIGHUP")
+        lines = [formatEvent(event) for event in logged]
+        self.assertIn(
+            "homelab-gateway: reload failed, still running the previous config: "
+            f"{path}: cluster.redis_url: has a bad port: 'redis://gw:***@redis:99999/0'",
+            lines,
+        )
+        self.assertNotIn("hunter2", "\n".join(lines))
+        self.assertIs(service.config, running)
 
 
 class ReloadUnderLoad(LLMSurface):
