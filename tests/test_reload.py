@@ -9,9 +9,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from homelab_gateway.config import Config, parse_config
 from homelab_gateway.core.reload import config_changes
-from tests.helpers import chat, gateway_document, raw_request, wait_for
 from tests.surfaces.test_llm import LLMSurface
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import chat, gateway_document, raw_request, wait_for
 
 
 def config(document: dict[str, Any], **environ: str) -> Config:
