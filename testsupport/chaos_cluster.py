@@ -32,12 +32,13 @@ not do (a gateway's count cannot prove a cap it keeps itself):
   gateway's log, every gateway stops cleanly, and every kind of fault was injected and its
   process served again.
 
-It prints the figures: requests, faults by kind, outcomes by kind, the longest wait (to the
-first token, or to a whole answer) of requests that overlapped each kind of fault beside
-those that overlapped none, and pass/fail per invariant. The request mix and the faults'
-kinds, order, targets, durations and the answer counts they fire at all follow from `--seed`;
-only the timing between processes does not. tests/test_chaos_cluster.py runs a small one (not
-the Sentinel variant, whose failovers take a minute: tests/line/test_sentinel.py has one).
+Its `Report` (which `python -m bench.chaos --cluster` prints) has the figures: requests,
+faults by kind, outcomes by kind, the longest wait (to the first token, or to a whole answer)
+of requests that overlapped each kind of fault beside those that overlapped none, and
+pass/fail per invariant. The request mix and the faults' kinds, order, targets, durations and
+the answer counts they fire at all follow from the seed; only the timing between processes
+does not. tests/test_chaos_cluster.py runs a small one (not the Sentinel variant, whose
+failovers take a minute: tests/line/test_sentinel.py has one).
 """
 
 from __future__ import annotations
