@@ -44,8 +44,8 @@ $(CODEX): package-lock.json | $(NPM)
 	touch $(CODEX)
 
 test: install $(CHROMIUM) $(REDIS) $(CODEX)
-	$(BIN)/ruff check src tests twisted bench
-	$(BIN)/ruff format --check src tests twisted bench
+	$(BIN)/ruff check src tests testsupport twisted bench
+	$(BIN)/ruff format --check src tests testsupport twisted bench
 	$(BIN)/python -m pytest
 
 bench: install

@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.client import Result, get_json, percentile, request
+from bench.scenarios import ProcessStats
+from testsupport.client import Result, get_json, percentile, request
+from testsupport.processes import start_gateway, start_stub
 
 CONFIG = """
 [server]
@@ -182,9 +184,6 @@ def outcome(results: list[Result], tags: list[str], stub_log: Path) -> dict[str,
 
 
 def run(workdir: Path, n: int, distinct: bool = False) -> dict[str, Any]:
-    from bench.__main__ import ProcessStats
-    from tests.processes import start_gateway, start_stub
-
     log = workdir / "burst-stub.log"
     stub, stub_url = start_stub(
         workdir, "--reasoning-tokens", "0", "--content-tokens", "8", "--log", str(log)

@@ -31,7 +31,7 @@ from twisted.internet.task import Clock
 
 from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.line.shared import RedisSource, shared_line
-from tests.helpers import FakeCluster
+from testsupport.helpers import FakeCluster
 
 
 def build(n: int, client: Callable[[int], str]) -> tuple[RedisSource, FakeCluster, Clock]:

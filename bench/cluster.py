@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import burst
-from bench.__main__ import (
+from bench.scenarios import (
     RESULTS,
     ProcessStats,
     anthropic_body,
@@ -50,9 +50,9 @@ from bench.__main__ import (
     openai_body,
     table,
 )
-from bench.client import Result, get_json, percentile, request
-from tests.processes import Process, start_gateway, start_stub
-from tests.redis_server import RedisServer
+from testsupport.client import Result, get_json, percentile, request
+from testsupport.processes import Process, linked, load_average, start_gateway, start_stub
+from testsupport.redis_server import RedisServer
 
 SLOTS = 2
 
@@ -132,16 +132,6 @@ def command_figures(
         "events_appended": round(calls.get("xadd", 0) / per, 2),
         "command_usec": round(usec / per, 1),
     }
-
-
-def linked(gateway: str, timeout: float = 30.0) -> None:
-    """Wait (bounded) until a gateway with [cluster] reports its link to Redis up: until then
-    it answers 529."""
-    deadline = time.monotonic() + timeout
-    while get_json(gateway + "/llm/v1/status").get("cluster", {}).get("redis") != "up":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{gateway} never linked to Redis")
-        time.sleep(0.05)
 
 
 def cluster_gateway(
@@ -354,11 +344,6 @@ def keep_logs(gateways: dict[str, Process], stub_log: Path) -> None:
 
 
 # -- running it all -------------------------------------------------------------------------------
-
-
-def load_average() -> str:
-    """1, 5 and 15 minutes: the machine is shared, and the figures move with its load."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def main() -> None:

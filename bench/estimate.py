@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.client import percentile, request
-from tests.processes import Process, start_gateway, start_stub
+from testsupport.client import percentile, request
+from testsupport.processes import Process, start_gateway, start_stub
 
 SHORTEST_WAIT = 0.05
 

@@ -20,7 +20,7 @@ reactor, started the same way (`python -m bench.floor --serve KIND`):
 The relay and the proxies are asked the chat-completions request the gateway itself would send
 upstream (`upstream_body`), so the stub answers them: their figures are the floor of the extra
 hop on the upstream's own protocol, with no translation, no line and no record. In the same
-run, with the same load client (bench.client) and the same stubs, paired round by round:
+run, with the same load client (testsupport.client) and the same stubs, paired round by round:
 
   1 throughput   8 concurrent 10,000-token streams (scenario 1's shape): tokens/s and the ratio
                  to the stub asked directly in the same round, and each process's CPU per 1,000
@@ -65,7 +65,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from bench.__main__ import (
+from bench.scenarios import (
     RESULTS,
     STREAM_TOKENS,
     ProcessStats,
@@ -77,9 +77,15 @@ from bench.__main__ import (
     openai_body,
     upstream_body,
 )
-from bench.client import percentile, request
-from bench.cluster import load_average
-from tests.processes import TWISTD, Process, clean_env, start_gateway, start_stub
+from testsupport.client import percentile, request
+from testsupport.processes import (
+    TWISTD,
+    Process,
+    clean_env,
+    load_average,
+    start_gateway,
+    start_stub,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("relay", "proxy", "klein", "answer")

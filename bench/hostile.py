@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import tests.processes as processes
+import testsupport.processes as processes
 
 TOKENIZE_DELAY = 40.0
 

@@ -34,7 +34,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.python.failure import Failure
 
-from bench.__main__ import upstream_body
+from bench.scenarios import upstream_body
 from homelab_gateway.config import parse_config
 from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
 from homelab_gateway.service import Gateway

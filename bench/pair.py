@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import tests.processes as processes
-from bench.__main__ import ProcessStats, config, latency, start_stub, throughput
+import testsupport.processes as processes
+from bench.scenarios import ProcessStats, config, latency, throughput
 
 FIGURES = ("ratio", "cpu_ms_per_1000_tokens", "added_p50_ms", "direct_p50_ms", "cpu_ms_per_request")
 
@@ -41,8 +41,12 @@ def one_round(url: str, stats: ProcessStats, fast: str, big: str) -> dict[str, A
 def run(twistds: list[str], rounds: int, workdir: Path) -> dict[str, Any]:
     started: list[processes.Process] = []
     try:
-        fast_stub, fast = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "8")
-        big_stub, big = start_stub(workdir, "--reasoning-tokens", "0", "--content-tokens", "40000")
+        fast_stub, fast = processes.start_stub(
+            workdir, "--reasoning-tokens", "0", "--content-tokens", "8"
+        )
+        big_stub, big = processes.start_stub(
+            workdir, "--reasoning-tokens", "0", "--content-tokens", "40000"
+        )
         started += [fast_stub, big_stub]
         gateways = []
         for i, twistd in enumerate(twistds):

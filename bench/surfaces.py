@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.__main__ import (
+from bench.scenarios import (
     STREAM_TOKENS,
     ProcessStats,
     anthropic_body,
@@ -34,7 +34,7 @@ from bench.__main__ import (
     openai_body,
     streams_rate,
 )
-from tests.processes import Process, start_gateway, start_stub
+from testsupport.processes import Process, start_gateway, start_stub
 
 CONFIG = """
 [upstreams.bulk]

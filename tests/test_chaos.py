@@ -1,12 +1,12 @@
-"""A small chaos run in the normal suite (bench/chaos.py runs the 2,000-request one): one model
-over two replicas, one of which dies and comes back during the load, with config reloads, and
-a SIGTERM drain under load at the end."""
+"""A small chaos run in the normal suite (`python -m bench.chaos` runs the 2,000-request one;
+the run itself is testsupport/chaos.py): one model over two replicas, one of which dies and
+comes back during the load, with config reloads, and a SIGTERM drain under load at the end."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.chaos import ENDLESS_BOUND, run
+from testsupport.chaos import ENDLESS_BOUND, run
 
 
 def test_a_hundred_chaotic_requests_leak_nothing(tmp_path: Path) -> None:

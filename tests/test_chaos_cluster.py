@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.chaos_cluster import run
+from testsupport.chaos_cluster import run
 
 
 def test_a_cluster_under_every_kind_of_fault_keeps_every_invariant(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ import json
 import time
 from typing import Any
 
-from tests.helpers import raw_request, wait_for
 from tests.surfaces.test_proxy import async_test
 from tests.test_fairness import FairLine, StartLog, tagged
+from testsupport.helpers import raw_request, wait_for
 
 
 class Concurrency(StartLog):

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.processes import Process, start_gateway, start_stub, wait_until
-from tests.redis_server import RedisServer
+from testsupport.processes import Process, start_gateway, start_stub, wait_until
+from testsupport.redis_server import RedisServer
 
 LEASE = 2
 GRACE = 4  # seconds Redis may be away before waiters get 529

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from homelab_gateway.dev.generation import CONTENT_TEXT, REASONING_TEXT
-from tests.processes import start_gateway, start_stub, upstream_status, wait_until
+from testsupport.processes import start_gateway, start_stub, upstream_status, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX = ROOT / "node_modules" / ".bin" / "codex"

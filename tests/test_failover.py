@@ -16,9 +16,9 @@ from twisted.web.server import Site
 from homelab_gateway.config import parse_config
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.dev.stub import StubResource
-from tests.grammar import check_stream
-from tests.helpers import Servers, chat, raw_request, wait_for
 from tests.surfaces.test_proxy import async_test
+from testsupport.grammar import check_stream
+from testsupport.helpers import Servers, chat, raw_request, wait_for
 
 
 class Refusing(Resource):

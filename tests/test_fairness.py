@@ -16,9 +16,9 @@ from twisted.web.server import Site
 
 from homelab_gateway.config import parse_config
 from homelab_gateway.dev.stub import StubLog, StubSettings, stub_site
-from tests.grammar import check_stream
-from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 from tests.surfaces.test_proxy import EchoHeaders, async_test
+from testsupport.grammar import check_stream
+from testsupport.helpers import Servers, chat, gateway_document, raw_request, wait_for
 
 KEYS = {"FLOOD_KEY": "flood-key", "CHAT_KEY": "chat-key", "NIGHTLY_KEY": "nightly-key"}
 

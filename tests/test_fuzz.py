@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.mapping import InvalidRequest, map_request
-from tests.grammar import check_stream
-from tests.processes import one_upstream_config, start_gateway, start_stub
+from testsupport.grammar import check_stream
+from testsupport.processes import one_upstream_config, start_gateway, start_stub
 
 scalars = st.one_of(
     st.none(),

@@ -17,9 +17,9 @@ from twisted.internet.protocol import ClientFactory
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from tests.helpers import RawResponse, Servers, chat, raw_request, wait_for
 from tests.surfaces.test_llm import LLMSurface
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import RawResponse, Servers, chat, raw_request, wait_for
 
 
 class Drain(LLMSurface):

@@ -14,8 +14,10 @@ from twisted.logger import formatEvent
 from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
 from homelab_gateway.web.access import AccessPolicy
-from tests.grammar import check_stream
-from tests.helpers import (
+from tests.surfaces.test_llm import LLMSurface
+from tests.surfaces.test_proxy import async_test
+from testsupport.grammar import check_stream
+from testsupport.helpers import (
     Servers,
     capture_log,
     capture_request_log,
@@ -24,8 +26,6 @@ from tests.helpers import (
     raw_request,
     wait_for,
 )
-from tests.surfaces.test_llm import LLMSurface
-from tests.surfaces.test_proxy import async_test
 
 KEY = "sk-gw-correct-horse"
 

@@ -11,11 +11,11 @@ import tracemalloc
 import types
 from typing import Any
 
-from tests import helpers
-from tests.grammar import check_stream
-from tests.helpers import PROMPTLY, chat, raw_request, wait_for
 from tests.surfaces.test_llm import LLMSurface
 from tests.surfaces.test_proxy import async_test
+from testsupport import helpers
+from testsupport.grammar import check_stream
+from testsupport.helpers import PROMPTLY, chat, raw_request, wait_for
 
 
 class Queue(LLMSurface):

@@ -19,9 +19,9 @@ from homelab_gateway.core.quota import WINDOW
 from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.quotas import Local, Quotas, Shared
-from tests.helpers import wait_for
-from tests.redis_server import RedisServer
 from tests.test_ledger import NOON, record
+from testsupport.helpers import wait_for
+from testsupport.redis_server import RedisServer
 
 _prefixes = itertools.count()
 

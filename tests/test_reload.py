@@ -16,9 +16,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from homelab_gateway.config import Config, load_config, parse_config
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.service import Gateway, GatewayService
-from tests.helpers import capture_log, chat, gateway_document, raw_request, wait_for
 from tests.surfaces.test_llm import LLMSurface
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import capture_log, chat, gateway_document, raw_request, wait_for
 
 
 def config(document: dict[str, Any], **environ: str) -> Config:

@@ -22,7 +22,7 @@ from homelab_gateway.sending import ONE_SEND, UpstreamTransport, reactor_for_ups
 from homelab_gateway.upstream.client import EndpointPerHost, Upstream, llm_http
 from homelab_gateway.upstream.connections import UpstreamPool
 from homelab_gateway.web.channel import ClientTransport, GatewaySite, WireLimits, send_at_once
-from tests.helpers import wait_for
+from testsupport.helpers import wait_for
 
 
 class _CountingSocket:

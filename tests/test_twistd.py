@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.processes import (
+from testsupport.processes import (
     TWISTD,
     Process,
     clean_env,

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.processes import one_upstream_config, start_gateway, start_stub, wait_until
+from testsupport.processes import one_upstream_config, start_gateway, start_stub, wait_until
 
 PROMPT = "the same long prompt, so the prefix cache reads its blocks the second time " * 8
 TOTALS = ("requests", "input_tokens", "output_tokens", "cached_tokens")

@@ -18,7 +18,7 @@ from homelab_gateway.core.responses import INPUT_SCHEMA, Offered, ResponsesReque
 from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 from tests.core.test_translator import chunk, chunks, tool_args, tool_head, upstream_frames
-from tests.openresponses import check_response, check_stream
+from testsupport.openresponses import check_response, check_stream
 
 MODEL = ModelConfig(name="local", upstream="vllm", upstream_model="Qwen/Qwen3-32B")
 

@@ -23,7 +23,7 @@ from homelab_gateway.core.translator import (
     StreamTranslator,
     UpstreamDecoder,
 )
-from tests.grammar import PROMPT_USAGE, check_stream
+from testsupport.grammar import PROMPT_USAGE, check_stream
 
 
 def chunk(

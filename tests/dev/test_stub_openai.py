@@ -14,8 +14,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.dev.stub import StubLog, StubResource, StubSettings, stub_site
-from tests.helpers import RawResponse, Servers, raw_request, wait_for
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import RawResponse, Servers, raw_request, wait_for
 
 WORDS = "Hello! I am a stub model"  # the stub's CONTENT_TEXT, word by word
 

@@ -12,7 +12,7 @@ from homelab_gateway.core import line as line_module
 from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import CLASS_RANK
 from homelab_gateway.line.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
-from tests.helpers import SoonerResetClock
+from testsupport.helpers import SoonerResetClock
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
 

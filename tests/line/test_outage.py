@@ -17,9 +17,9 @@ from homelab_gateway.config import ClusterConfig
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import NORMAL, PositionedSemaphore, Replica, Request
 from homelab_gateway.line.shared import Remote, shared_line
-from tests.helpers import wait_for
 from tests.line.test_shared_line import LEASE, OverRedis, Waiter
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import wait_for
 
 
 def cut_link(cluster: Cluster) -> None:

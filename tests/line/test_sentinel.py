@@ -21,10 +21,10 @@ from homelab_gateway.line.cluster import SETTLE, Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.sentinel import SWITCH, Primary, _Watch
 from homelab_gateway.line.shared import shared_line
-from tests.helpers import PATIENCE, capture_log, wait_for
 from tests.line.test_shared_line import Waiter
-from tests.redis_server import RedisServer, SentinelSet
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import PATIENCE, capture_log, wait_for
+from testsupport.redis_server import RedisServer, SentinelSet
 
 _prefixes = itertools.count()
 

@@ -17,7 +17,7 @@ from twisted.trial.unittest import TestCase
 
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Unavailable
 from homelab_gateway.line.shared import RedisSource, _preferences, shared_line
-from tests.helpers import FakeCluster
+from testsupport.helpers import FakeCluster
 
 
 def walked_claims(line: PositionedSemaphore, now: float) -> list[tuple[str, bytes]]:

@@ -22,9 +22,9 @@ from homelab_gateway.core.line import CLASS_RANK
 from homelab_gateway.line.cluster import BACKOFF, SETTLE, Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot, Unavailable
 from homelab_gateway.line.shared import shared_line
-from tests.helpers import PATIENCE, PROMPTLY, capture_log, wait_for
-from tests.redis_server import RedisServer
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import PATIENCE, PROMPTLY, capture_log, wait_for
+from testsupport.redis_server import RedisServer
 
 REPORT = 0.05  # position passes in these tests: falls are told this soon
 LEASE = 1.5

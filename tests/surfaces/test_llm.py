@@ -20,8 +20,9 @@ from homelab_gateway.core.translator import UpstreamDecoder
 from homelab_gateway.upstream.connections import UpstreamPool
 from homelab_gateway.web.channel import GatewaySite, WireLimits, send_at_once
 from homelab_gateway.web.respond import send_json
-from tests.grammar import check_stream
-from tests.helpers import (
+from tests.surfaces.test_proxy import async_test
+from testsupport.grammar import check_stream
+from testsupport.helpers import (
     PROMPTLY,
     Servers,
     capture_request_log,
@@ -30,7 +31,6 @@ from tests.helpers import (
     raw_request,
     wait_for,
 )
-from tests.surfaces.test_proxy import async_test
 
 
 class LLMSurface(TestCase):

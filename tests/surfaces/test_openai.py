@@ -17,14 +17,14 @@ from homelab_gateway.core.openai import StreamRelay
 from homelab_gateway.surfaces.openai import early_failure
 from homelab_gateway.web.access import AccessPolicy
 from homelab_gateway.web.channel import WireLimits
-from tests.helpers import (
+from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import (
     Servers,
     capture_request_log,
     gateway_document,
     raw_request,
     wait_for,
 )
-from tests.surfaces.test_proxy import async_test
 
 CHAT = "/llm/v1/chat/completions"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import start_gateway, start_stub, upstream_status, wait_until
+from testsupport.processes import start_gateway, start_stub, upstream_status, wait_until
 
 WEATHER = [
     {

@@ -22,8 +22,8 @@ from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import TOKENIZE_CONCURRENCY, Pool
 from homelab_gateway.surfaces.proxy import escapes_prefix, forward_headers, response_headers
 from homelab_gateway.upstream.client import LINGER_AFTER_END, AnswerComplete, Upstream
-from tests.grammar import check_stream
-from tests.helpers import (
+from testsupport.grammar import check_stream
+from testsupport.helpers import (
     PROMPTLY,
     Servers,
     SoonerResetClock,

@@ -9,10 +9,10 @@ from typing import Any
 
 from homelab_gateway.core.errors import GatewayError, upstream_http_error
 from homelab_gateway.surfaces.responses import failure_code
-from tests.helpers import raw_request, wait_for
-from tests.openresponses import check_response, check_stream
 from tests.surfaces.test_openai import OpenAISurface
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import raw_request, wait_for
+from testsupport.openresponses import check_response, check_stream
 
 RESPONSES = "/llm/v1/responses"
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import anthropic
 import pytest
 
-from tests.processes import start_gateway, start_stub, upstream_status, wait_until
+from testsupport.processes import start_gateway, start_stub, upstream_status, wait_until
 
 WEATHER = [
     {

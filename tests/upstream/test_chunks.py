@@ -28,7 +28,7 @@ from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 from homelab_gateway.upstream.client import Upstream, WholeReads, llm_http
 from homelab_gateway.upstream.connections import UpstreamPool
-from tests.helpers import Servers
+from testsupport.helpers import Servers
 
 
 def sse(document: Any) -> bytes:

@@ -20,8 +20,8 @@ import promql_parser
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import TestCase
 
-from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import Servers, chat, gateway_document, raw_request, wait_for
 
 DASHBOARD = Path(__file__).parents[2] / "etc" / "grafana" / "homelab-gateway.json"
 # What Grafana puts in place of its variables before Prometheus sees a query.

@@ -20,7 +20,10 @@ from twisted.web.test.requesthelper import DummyChannel
 
 from homelab_gateway.telemetry import loggable
 from homelab_gateway.web.channel import GatewayRequest, GatewaySite, WireLimits
-from tests.helpers import (
+from tests.surfaces.test_llm import LLMSurface
+from tests.surfaces.test_proxy import async_test
+from tests.test_operations import metric
+from testsupport.helpers import (
     RawResponse,
     capture_request_log,
     chat,
@@ -28,9 +31,6 @@ from tests.helpers import (
     send_raw,
     wait_for,
 )
-from tests.surfaces.test_llm import LLMSurface
-from tests.surfaces.test_proxy import async_test
-from tests.test_operations import metric
 
 
 class NonFiniteNumbers(LLMSurface):

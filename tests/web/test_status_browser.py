@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import pytest
 from playwright.sync_api import Browser, Locator, Page, Route, expect, sync_playwright
 
-from tests.helpers import PATIENCE
-from tests.processes import Process, start_gateway, start_stub
+from testsupport.helpers import PATIENCE
+from testsupport.processes import Process, start_gateway, start_stub
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -26,7 +26,8 @@ from homelab_gateway.web.statuspage import (
     USAGE_INTERVAL,
     StatusPage,
 )
-from tests.helpers import (
+from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import (
     PROMPTLY,
     RawResponse,
     Servers,
@@ -37,7 +38,6 @@ from tests.helpers import (
     send_raw,
     wait_for,
 )
-from tests.surfaces.test_proxy import async_test
 
 KEY = "sk-gw-status-page-key"
 

@@ -11,8 +11,8 @@ from typing import Any
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import auth_key_name
-from tests.helpers import RawResponse, Servers, chat, gateway_document, raw_request
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import RawResponse, Servers, chat, gateway_document, raw_request
 
 KEY = "usage-key"
 

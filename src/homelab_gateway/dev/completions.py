@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.web.server import Request
 
@@ -21,9 +21,7 @@ from homelab_gateway.dev.generation import (
     prompt_details,
     words,
 )
-
-if TYPE_CHECKING:
-    from homelab_gateway.dev.stub import StubResource, StubSettings
+from homelab_gateway.dev.state import Stub, StubSettings
 
 COMPLETION_MAX_TOKENS = 16
 """vLLM's CompletionRequest.max_tokens default (chat has none: the context's room is the cap)."""
@@ -39,9 +37,7 @@ class Completion(Batch, Generation):
     scenarios = SCENARIOS.keys() - CHAT_ONLY
     LONG_LINE = b'data: {"choices": [{"index": 0, "text": "'
 
-    def __init__(
-        self, stub: StubResource, request: Request, body: dict[str, Any], request_id: str
-    ) -> None:
+    def __init__(self, stub: Stub, request: Request, body: dict[str, Any], request_id: str) -> None:
         super().__init__(stub, request, body, request_id)
         max_tokens = body.get("max_tokens")
         self.max_tokens: int = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens

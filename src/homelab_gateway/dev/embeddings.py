@@ -9,7 +9,7 @@ import json
 import math
 import struct
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from homelab_gateway.dev.generation import (
     ENGINE_DIED,
@@ -20,9 +20,7 @@ from homelab_gateway.dev.generation import (
     is_int,
     literal,
 )
-
-if TYPE_CHECKING:
-    from homelab_gateway.dev.stub import StubSettings
+from homelab_gateway.dev.state import StubSettings
 
 EMBEDDING_SCENARIOS = frozenset({"error500", "error400", "overloaded", "hangup", "fail"})
 """An embedding is one whole answer: only the refusals, the hang-up and the engine's death."""

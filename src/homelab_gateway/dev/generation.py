@@ -10,13 +10,12 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.web.server import Request
 
-if TYPE_CHECKING:
-    from homelab_gateway.dev.stub import StubResource, StubSettings
+from homelab_gateway.dev.state import Stub, StubSettings
 
 ENDLESS_CAP = 32 * 1024 * 1024
 """What "never ends" means for endless-error and long-line: past any sane gateway's limit, yet
@@ -170,9 +169,7 @@ class Exchange(ABC):
     scenarios: ClassVar[Collection[str]]
     prefix_cache: ClassVar[bool] = True  # whether vLLM's prefix cache sees it (and reports it)
 
-    def __init__(
-        self, stub: StubResource, request: Request, body: dict[str, Any], request_id: str
-    ) -> None:
+    def __init__(self, stub: Stub, request: Request, body: dict[str, Any], request_id: str) -> None:
         self.stub = stub
         self.request = request
         self.body = body
@@ -280,9 +277,7 @@ class Generation(Exchange):
     scenarios = SCENARIOS.keys()
     LONG_LINE = b'data: {"choices": [{"index": 0, "delta": {"content": "'
 
-    def __init__(
-        self, stub: StubResource, request: Request, body: dict[str, Any], request_id: str
-    ) -> None:
+    def __init__(self, stub: Stub, request: Request, body: dict[str, Any], request_id: str) -> None:
         super().__init__(stub, request, body, request_id)
         self.streaming = bool(body.get("stream"))
         self._paused = False

@@ -32,12 +32,13 @@ not do (a gateway's count cannot prove a cap it keeps itself):
   gateway's log, every gateway stops cleanly, and every kind of fault was injected and its
   process served again.
 
-It prints the figures: requests, faults by kind, outcomes by kind, the longest wait (to the
-first token, or to a whole answer) of requests that overlapped each kind of fault beside
-those that overlapped none, and pass/fail per invariant. The request mix and the faults'
-kinds, order, targets, durations and the answer counts they fire at all follow from `--seed`;
-only the timing between processes does not. tests/test_chaos_cluster.py runs a small one (not
-the Sentinel variant, whose failovers take a minute: tests/line/test_sentinel.py has one).
+Its `Report` (which `python -m bench.chaos --cluster` prints) has the figures: requests,
+faults by kind, outcomes by kind, the longest wait (to the first token, or to a whole answer)
+of requests that overlapped each kind of fault beside those that overlapped none, and
+pass/fail per invariant. The request mix and the faults' kinds, order, targets, durations and
+the answer counts they fire at all follow from the seed; only the timing between processes
+does not. tests/test_chaos_cluster.py runs a small one (not the Sentinel variant, whose
+failovers take a minute: tests/line/test_sentinel.py has one).
 """
 
 from __future__ import annotations
@@ -50,24 +51,19 @@ import random
 import re
 import shutil
 import socket
-import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.__main__ import RESULTS
-from bench.chaos import BEHAVIOURS, GOOD, Outages, cut_policy, pick
-from bench.client import Result, get_json, percentile, request
-from bench.cluster import linked, load_average
 from homelab_gateway.line.cluster import SETTLE
-from tests.grammar import check_stream
-from tests.processes import Process, start_gateway
-from tests.redis_server import RedisServer, SentinelSet
+from testsupport.chaos import BEHAVIOURS, GOOD, Outages, cut_policy, pick
+from testsupport.client import Result, get_json, percentile, request
+from testsupport.grammar import check_stream
+from testsupport.processes import Process, linked, load_average, start_gateway
+from testsupport.redis_server import RedisServer, SentinelSet
 
 SLOTS = 3
 GATEWAYS = 3
@@ -358,7 +354,7 @@ class SingleRedis:
 
 class SentinelRedis:
     """A primary, its replica and a Sentinel that fails over half a second after it finds
-    the primary silent (tests.redis_server.SentinelSet). The primary is paused (longer than
+    the primary silent (testsupport.redis_server.SentinelSet). The primary is paused (longer than
     that: the Sentinel promotes the replica, and turns the paused one into a replica when it
     wakes, discarding what it took meanwhile) or killed (the replica promoted, the killed one
     started again empty as the new primary's replica). Each fault ends with one primary and
@@ -867,27 +863,3 @@ def run(n: int, concurrency: int, seed: int, workdir: Path, sentinel: bool = Fal
             out.write(json.dumps(asdict(d)) + "\n")
     (workdir / "report.json").write_text(json.dumps(asdict(report), indent=2))
     return report
-
-
-def main(requests: int, concurrency: int, seed: int, sentinel: bool) -> bool:
-    """The run in a temporary directory; its report in bench/results/, and on a failure every
-    process's log beside it."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    RESULTS.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory() as directory:
-        workdir = Path(directory)
-        report: Report | None = None
-        try:
-            report = run(requests, concurrency, seed, workdir, sentinel)
-        finally:
-            if report is None or not report.ok:
-                kept = RESULTS / f"chaos-cluster-{stamp}"
-                shutil.copytree(workdir, kept)
-                print(f"logs kept in {kept}", file=sys.stderr)
-    text = json.dumps(asdict(report), indent=2)
-    (RESULTS / f"chaos-cluster-{stamp}.json").write_text(text)
-    print(text)
-    for name, held in report.invariants.items():
-        print(f"{'pass' if held else 'FAIL'}  {name}")
-    print(f"results: bench/results/chaos-cluster-{stamp}.json")
-    return report.ok

@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from testsupport.client import get_json
+
 BIN = Path(sys.executable).parent
 TWISTD = str(BIN / "twistd")
 
@@ -170,3 +172,18 @@ def upstream_status(url: str, upstream: str) -> dict[str, int]:
     """One upstream's slots, in use and waiting, from a running gateway's /llm/v1/status."""
     with urllib.request.urlopen(url + "/llm/v1/status", timeout=5) as response:
         return json.load(response)["upstreams"][upstream]
+
+
+def linked(gateway: str, timeout: float = 30.0) -> None:
+    """Wait (bounded) until a gateway with [cluster] reports its link to Redis up: until then
+    it answers 529."""
+    deadline = time.monotonic() + timeout
+    while get_json(gateway + "/llm/v1/status").get("cluster", {}).get("redis") != "up":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gateway} never linked to Redis")
+        time.sleep(0.05)
+
+
+def load_average() -> str:
+    """1, 5 and 15 minutes: the machine is shared, and the figures move with its load."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -1,4 +1,4 @@
-"""The Open Responses specification's JSON schemas (tests/data/openresponses), to check every
+"""The Open Responses specification's JSON schemas (testsupport/data/openresponses), to check every
 event and object /llm/v1/responses sends, and the order a stream's events come in."""
 
 from __future__ import annotations
