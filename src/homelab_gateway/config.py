@@ -33,6 +33,7 @@ class UpstreamConfig:
     name: str
     url: str
     slots: int
+    kind: str = "vllm"  # a name in upstream.kinds.KINDS: the sort of server it is
     api_key: str | None = None
     # Ollama sends response headers only after loading the model: 10 s would fail cold starts.
     connect_timeout: float = 60.0
@@ -649,6 +650,7 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
         {
             "url",
             "slots",
+            "kind",
             "api_key_env",
             "connect_timeout",
             "idle_timeout",
@@ -661,6 +663,15 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
             "cooldown",
         }
     )
+    # Imported here: the kinds import the core, which imports this module.
+    from homelab_gateway.upstream.kinds import KINDS
+
+    kind = section.string("kind", UpstreamConfig.kind)
+    if kind not in KINDS:
+        raise section.error("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    forward_priority = section.boolean("forward_priority", False)
+    if forward_priority and KINDS[kind].priority is None:
+        raise section.error("forward_priority", f"kind {kind!r} takes no priority field")
     api_key = None
     key_env = section.string("api_key_env")
     if key_env is not None:
@@ -671,13 +682,14 @@ def _parse_upstream(name: str, section: _Section, environ: Mapping[str, str]) ->
         name=name,
         url=section.url("url"),
         slots=section.integer("slots", None, required=True),
+        kind=kind,
         api_key=api_key,
         connect_timeout=section.seconds("connect_timeout", UpstreamConfig.connect_timeout),
         idle_timeout=section.seconds("idle_timeout", 300.0),
         queue_limit=section.integer("queue_limit", 64, minimum=0),
         queue_timeout=section.seconds("queue_timeout", 600.0),
         continuous_usage_stats=section.boolean("continuous_usage_stats", True),
-        forward_priority=section.boolean("forward_priority", False),
+        forward_priority=forward_priority,
         fallback=section.boolean("fallback", False),
         failures_to_open=section.integer("failures_to_open", 3, minimum=1),
         cooldown=section.seconds("cooldown", 30.0),
