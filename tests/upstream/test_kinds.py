@@ -4,7 +4,9 @@ llm/llama_server.go), and a gateway that sends a kind only what it takes."""
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+import homelab_gateway.upstream as upstream_package
 from homelab_gateway.config import ConfigError, parse_config
 from homelab_gateway.core.errors import ContextOverflow
 from homelab_gateway.upstream.kinds import KINDS, Health
@@ -19,6 +22,7 @@ from homelab_gateway.upstream.kinds.llamacpp import LLAMA_CPP
 from homelab_gateway.upstream.kinds.ollama import OLLAMA
 from homelab_gateway.upstream.kinds.openai import OPENAI
 from homelab_gateway.upstream.kinds.vllm import VLLM
+from tests.core.test_core_imports import imports_alone
 from tests.helpers import Servers, chat, gateway_document, raw_request, wait_for
 from tests.surfaces.test_proxy import async_test
 
@@ -420,3 +424,22 @@ class Extensions(TestCase):
         for _, body in seen:
             self.assertEqual(body["stream_options"], {"include_usage": True})
             self.assertNotIn("priority", body)
+
+
+def test_the_kinds_import_without_twisted() -> None:
+    """A kind is plain Python: the config and the core's parsing use it without a reactor."""
+    result = imports_alone("homelab_gateway.upstream.kinds")
+    assert result.returncode == 0, result.stderr
+
+
+UPSTREAM = Path(upstream_package.__path__[0])
+
+
+@pytest.mark.parametrize(
+    "module", sorted(str(p.relative_to(UPSTREAM)) for p in UPSTREAM.rglob("*.py"))
+)
+def test_the_upstream_side_imports_nothing_of_the_surfaces(module: str) -> None:
+    tree = ast.parse((UPSTREAM / module).read_text())
+    names = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    names += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+    assert not [n for n in names if n.startswith("homelab_gateway.surfaces")], names
