@@ -84,11 +84,12 @@ class Readiness:
     async def _probe(self, name: str, pool: Pool) -> None:
         probe = self.probes[name]
         health = await check(pool.upstream, pool.kind)
+        listing = pool.kind.listing(pool.upstream.url) if health.ok else None
+        if listing is not None:
+            probe.windows = await _windows(pool.upstream, pool.kind, listing)
+        # Told together with its windows: a ready upstream's window is known at once.
         probe.ok, probe.detail = health.ok, health.detail
         if health.ok:
-            listing = pool.kind.listing(pool.upstream.url)
-            if listing is not None:
-                probe.windows = await _windows(pool.upstream, pool.kind, listing)
             pool.line.recovered(pool.replica)
         probe.at = self.clock.seconds()
 
