@@ -28,7 +28,8 @@ class Kind:
     overrides. Its probe is its model listing, which every such server serves and which loads
     nothing."""
 
-    name = "openai"
+    name: str
+    """Its name in the config (`[upstreams.NAME] kind`)."""
     continuous_usage_stats = False
     """Takes `stream_options.continuous_usage_stats` (usage in every chunk: the exact prompt
     count reaches `message_start`)."""

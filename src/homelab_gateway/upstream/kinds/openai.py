@@ -10,6 +10,8 @@ from homelab_gateway.upstream.kinds.base import Kind
 
 
 class OpenAI(Kind):
+    name = "openai"
+
     def overflow(self, body: bytes) -> ContextOverflow | None:
         return (
             vllm.overflow(upstream_message(body))
