@@ -44,7 +44,6 @@ KNOWN = frozenset(
         # upstream kinds; the line's cluster and shared line; the surface skeleton). Once
         # those are merged, empty this: the test then fails on any entry left that no longer
         # exists, and on any of these imports that stays.
-        ("homelab_gateway.upstream.readiness", "homelab_gateway.surfaces.messages"),
         ("homelab_gateway.line.cluster", "homelab_gateway.line.shared"),
         ("homelab_gateway.line.shared", "homelab_gateway.line.cluster"),
         ("homelab_gateway.surfaces.openai", "homelab_gateway.surfaces.messages"),

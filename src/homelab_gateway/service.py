@@ -54,6 +54,7 @@ from homelab_gateway.surfaces.responses import ResponsesSurface
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.client import EndpointPerHost, RawHTTP, Upstream, llm_http
 from homelab_gateway.upstream.connections import UpstreamPool
+from homelab_gateway.upstream.kinds import KINDS
 from homelab_gateway.upstream.readiness import Probe, Readiness
 from homelab_gateway.web.access import AccessPolicy
 from homelab_gateway.web.app import GatewayApp
@@ -143,7 +144,10 @@ class Gateway:
             replica.circuit.failures_to_open = upstream.failures_to_open
             replica.circuit.cooldown = upstream.cooldown
             pool.queue_timeout = upstream.queue_timeout
-            pool.continuous_usage_stats = upstream.continuous_usage_stats
+            pool.kind = KINDS[upstream.kind]
+            pool.continuous_usage_stats = (
+                upstream.continuous_usage_stats and pool.kind.continuous_usage_stats
+            )
             pool.forward_priority = upstream.forward_priority
             self.pools[name] = pool
         self._sync_lines(new)

@@ -769,7 +769,7 @@ class Overflow(LLMSurface):
 class OllamaOverflow(LLMSurface):
     """Ollama's refusal has no number and there is no /tokenize: the config's window stands in."""
 
-    gateway_overrides = {"model": {"context_window": 4096}}
+    gateway_overrides = {"model": {"context_window": 4096}, "upstream": {"kind": "ollama"}}
 
     def setUp(self) -> None:
         super().setUp()

@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from homelab_gateway.config.keys import ConfigError, Table, describe
 from homelab_gateway.config.tables import (
+    PRIORITY_KINDS,
     AuthConfig,
     ClientConfig,
     ClusterConfig,
@@ -130,7 +131,10 @@ def _parse_upstream(name: str, table: Table, environ: Mapping[str, str]) -> Upst
         api_key = environ.get(key_env)
         if not api_key:
             raise table.error("api_key_env", f"environment variable {key_env} is not set")
-    return table.read(name=name, api_key=api_key)
+    upstream = table.read(name=name, api_key=api_key)
+    if upstream.forward_priority and upstream.kind not in PRIORITY_KINDS:
+        raise table.error("forward_priority", f"kind {upstream.kind!r} takes no priority field")
+    return upstream
 
 
 def _known_upstream(table: Table, upstreams: Mapping[str, UpstreamConfig]) -> str:

@@ -34,6 +34,10 @@ PRIORITY_CLASSES = ("interactive", "normal", "batch")  # best first; line.CLASSE
 SHOW_REASONING = ("always", "when_requested")
 LOG_FORMATS = ("text", "json")
 UPSTREAM_KINDS = ("vllm", "llama.cpp", "ollama", "openai")  # "openai": any other server
+"""The names of `upstream.kinds.KINDS`, which the config checks without importing them (the
+kinds import the core, which imports the config); a test holds the two equal."""
+PRIORITY_KINDS = ("vllm",)
+"""The kinds whose requests take a scheduling priority (`forward_priority`); tested likewise."""
 
 
 def _origin_problem(origin: str) -> str | None:

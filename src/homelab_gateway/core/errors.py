@@ -8,7 +8,6 @@ byte is sent, an `event: error` frame after.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,82 +212,3 @@ class ContextOverflow:
             # (llama.cpp refuses one that exactly fills it: no room is left for one token).
             message = f"prompt is too long: {max(prompt, limit + 1)} tokens > {limit} maximum"
         return GatewayError(400, message, code="context_length_exceeded")
-
-
-_N = r"(\d+)"
-# vLLM's wordings, newest first. 0.2x-0.32 (renderer): both numbers, the prompt counted only up
-# to the room left ("at least"); early 2026: "You passed N input tokens and requested B output
-# tokens", the same cut-off count; 0.6-0.10: "your prompt contains at least N" / "your request
-# has N"; the max_tokens check; the oldest "you requested T tokens (A in the messages, ...)".
-_VLLM_TOTAL = re.compile(
-    rf"maximum context length is {_N} tokens\. However, you requested {_N} output tokens and "
-    rf"your prompt contains at least {_N} input tokens"
-)
-_VLLM_PASSED = re.compile(
-    rf"You passed {_N} input (tokens|characters)(?: and requested {_N} output tokens)?\. "
-    rf"However, the model's context length is only {_N} tokens"
-)
-_VLLM_PROMPT = re.compile(
-    rf"maximum context length is {_N} tokens\. However, your (?:prompt contains|request has) "
-    rf"(at least )?{_N} input tokens"
-)
-_VLLM_MAX_TOKENS = re.compile(
-    rf"'max_tokens' (?:or 'max_completion_tokens' )?is too large: {_N}\. This model's maximum "
-    rf"context length is {_N} tokens and your request has {_N} input tokens"
-)
-_VLLM_REQUESTED = re.compile(
-    rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens "
-    rf"\({_N} in the messages, {_N} in the completion\)"
-)
-_VLLM_REQUESTED_PROMPT = re.compile(
-    rf"maximum context length is {_N} tokens\. However, you requested {_N} tokens in the messages"
-)
-# llama.cpp's server (type exceed_context_size_error, with n_prompt_tokens and n_ctx beside).
-_LLAMA_CPP = re.compile(
-    rf"request \({_N} tokens\) exceeds the available context size \({_N} tokens\)"
-)
-# Ollama's runner gives no number at all.
-_OLLAMA = "the input length exceeds the context length"
-
-
-def context_overflow(body: bytes) -> ContextOverflow | None:
-    """The context overflow an upstream's error body reports, or None for any other error."""
-    message = upstream_message(body)
-    error = _error_object(body)
-    if error.get("type") == "exceed_context_size_error":
-        prompt, limit = error.get("n_prompt_tokens"), error.get("n_ctx")
-        if isinstance(prompt, int) and isinstance(limit, int):
-            return ContextOverflow(prompt_tokens=prompt, limit=limit)
-    if match := _VLLM_TOTAL.search(message):
-        limit, completion, prompt = map(int, match.groups())
-        return ContextOverflow(prompt, limit, completion or None, at_least=True)
-    if match := _VLLM_PASSED.search(message):
-        count, unit, completion, limit = match.groups()
-        prompt = int(count) if unit == "tokens" else None  # characters: no token count
-        return ContextOverflow(
-            prompt, int(limit), int(completion) if completion else None, at_least=True
-        )
-    if match := _VLLM_MAX_TOKENS.search(message):
-        completion, limit, prompt = map(int, match.groups())
-        return ContextOverflow(prompt, limit, completion)
-    if match := _VLLM_PROMPT.search(message):
-        return ContextOverflow(int(match[3]), int(match[1]), at_least=bool(match[2]))
-    if match := _VLLM_REQUESTED.search(message):
-        limit, _, prompt, completion = map(int, match.groups())
-        return ContextOverflow(prompt, limit, completion)
-    if match := _VLLM_REQUESTED_PROMPT.search(message):
-        return ContextOverflow(int(match[2]), int(match[1]))
-    if match := _LLAMA_CPP.search(message):
-        return ContextOverflow(int(match[1]), int(match[2]))
-    if _OLLAMA in message:
-        return ContextOverflow(None, None)
-    return None
-
-
-def _error_object(body: bytes) -> dict[str, Any]:
-    try:
-        document = json.loads(body)
-    except ValueError:
-        return {}
-    error = document.get("error") if isinstance(document, dict) else None
-    return error if isinstance(error, dict) else {}

@@ -102,14 +102,6 @@ def dumps(document: Any) -> bytes:
         return json.dumps(document, separators=(",", ":")).encode()
 
 
-def tokenize_request(body: Mapping[str, Any]) -> bytes:
-    """vLLM's /tokenize request for the prompt of upstream `body` (a chat request)."""
-    payload = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True}
-    if "tools" in body:
-        payload["tools"] = body["tools"]
-    return dumps(payload)
-
-
 def request_model(body: Any) -> str:
     """The client's model name, checked first so an unknown model can be a 404."""
     if not isinstance(body, Mapping):

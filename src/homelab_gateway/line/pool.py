@@ -24,27 +24,27 @@ from homelab_gateway.line.limiter import (
     Unavailable,
 )
 from homelab_gateway.upstream.client import Upstream
+from homelab_gateway.upstream.kinds import KINDS, Kind
 
 QUEUE_FULL_RETRY_AFTER = 5
-# vLLM's `priority` request field: lower is served earlier, 0 is its default (and what requests
-# that bypass the gateway get), so `normal` maps to 0.
-VLLM_PRIORITY = {"interactive": -1, "normal": 0, "batch": 1}
 TOKENIZE_CONCURRENCY = 4
-"""At most this many `/tokenize` requests in flight per upstream (count_tokens). Tokenizing
-runs in vLLM's API server, not its engine, so it takes no generation slot (a count must not
-wait minutes behind generations); but it is still bounded, so a burst of count_tokens cannot
-open a connection each, and so are the counts waiting for a place (`Pool.hold_tokenizer`)."""
+"""At most this many tokenize requests in flight per upstream (`Kind.tokenize`: count_tokens,
+an overflow's count). Tokenizing runs in vLLM's API server, not its engine, so it takes no
+generation slot (a count must not wait minutes behind generations); but it is still bounded, so
+a burst of count_tokens cannot open a connection each, and so are the counts waiting for a place
+(`Pool.hold_tokenizer`)."""
 
 
 @dataclass(eq=False)
 class Pool:
-    """One upstream: its client, its slots and health (`replica`), and its settings. Its line
-    (`slots`) is shared with the upstreams it serves a model with."""
+    """One upstream: its client, its slots and health (`replica`), its kind of server, and its
+    settings. Its line (`slots`) is shared with the upstreams it serves a model with."""
 
     upstream: Upstream
     replica: Replica
     queue_timeout: float
-    continuous_usage_stats: bool = True
+    kind: Kind = KINDS["vllm"]
+    continuous_usage_stats: bool = True  # configured, and its kind takes it
     forward_priority: bool = False
     tokenizer: DeferredSemaphore = field(
         default_factory=lambda: DeferredSemaphore(TOKENIZE_CONCURRENCY)
@@ -71,12 +71,13 @@ class Pool:
         return slot
 
     def upstream_fields(self, record: RequestRecord) -> dict[str, int]:
-        """Fields the upstream request carries for the line: vLLM's `priority` (with
-        `forward_priority`), the class the request was served as, so the engine's own scheduler
-        keeps the gateway's order."""
-        if not self.forward_priority or record.served_as is None:
+        """Fields the upstream request carries for the line: the kind's `priority` (with
+        `forward_priority`, which the config allows only where the kind has one) for the class
+        the request was served as, so the engine's own scheduler keeps the gateway's order."""
+        priority = self.kind.priority
+        if not self.forward_priority or priority is None or record.served_as is None:
             return {}
-        return {"priority": VLLM_PRIORITY[record.served_as]}
+        return {"priority": priority[record.served_as]}
 
     async def hold_tokenizer(self, clock: IReactorTime, client: str) -> DeferredSemaphore | None:
         """One of the upstream's TOKENIZE_CONCURRENCY places (FIFO) for `client`'s count, or

@@ -25,7 +25,6 @@ from homelab_gateway.core.errors import (
     RETRIED_STATUSES,
     ContextOverflow,
     GatewayError,
-    context_overflow,
     upstream_http_error,
 )
 from homelab_gateway.core.mapping import (
@@ -35,7 +34,6 @@ from homelab_gateway.core.mapping import (
     find_model,
     map_request,
     request_model,
-    tokenize_request,
 )
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP, session_key
@@ -238,20 +236,20 @@ class Messages:
         return window if window is not None else model.context_window
 
     async def tokenize(
-        self, pool: Pool, payload: bytes, client: str
+        self, pool: Pool, request: tuple[str, bytes] | None, client: str
     ) -> tuple[int | None, int | None]:
-        """vLLM's exact prompt count and window from its /tokenize (beside /v1) for `payload`
-        (`mapping.tokenize_request`): (None, None) where there is no such endpoint (llama.cpp's
-        takes other fields, Ollama has none), or when no tokenizer place came free
-        (`Pool.hold_tokenizer`)."""
-        upstream = pool.upstream
-        base = upstream.url.removesuffix("/v1")
+        """The exact prompt count and window from the upstream's tokenize `request` (URL and
+        body, `Kind.tokenize`): (None, None) where its kind has none, or when no tokenizer place
+        came free (`Pool.hold_tokenizer`)."""
+        if request is None:
+            return None, None
+        upstream, (url, payload) = pool.upstream, request
         headers = {b"content-type": [b"application/json"]}
         place = await pool.hold_tokenizer(self.clock, client)
         if place is None:
             return None, None
         try:
-            response = await upstream.open("POST", base + "/tokenize", headers, payload)
+            response = await upstream.open("POST", url, headers, payload)
             text = await upstream.read_limited(response, TOKENIZE_BODY_LIMIT)
         except GatewayError:
             return None, None
@@ -259,17 +257,7 @@ class Messages:
             place.release()
         if response.code != 200:
             return None, None
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            return None, None
-        if not isinstance(answer, dict):
-            return None, None
-        count, window = answer.get("count"), answer.get("max_model_len")
-        return (
-            count if isinstance(count, int) and count >= 0 else None,
-            window if isinstance(window, int) and window > 0 else None,
-        )
+        return pool.kind.counted(text)
 
     async def _overflow_error(
         self,
@@ -289,8 +277,8 @@ class Messages:
         """
         prompt, limit = overflow.prompt_tokens, overflow.limit
         if prompt is None or overflow.at_least:
-            payload = tokenize_request(json.loads(sent))
-            count, window = await self.tokenize(pool, payload, record.client)
+            tokenize = pool.kind.tokenize(pool.upstream.url, json.loads(sent))
+            count, window = await self.tokenize(pool, tokenize, record.client)
             if count is not None:
                 prompt = max(count, prompt or 0)
             limit = limit or window
@@ -307,14 +295,16 @@ class Messages:
         target, mapped = self._parse(request, record, count_only=False)
         return target, mapped.packed()
 
-    def count_request(self, request: IRequest, record: RequestRecord) -> tuple[Pool, bytes, int]:
-        """For count_tokens: the replica to count on (one in rotation, if any), its /tokenize
-        body and the gateway's estimate; the parsed body is let go before the count waits for
-        a tokenizer place."""
+    def count_request(
+        self, request: IRequest, record: RequestRecord
+    ) -> tuple[Pool, tuple[str, bytes] | None, int]:
+        """For count_tokens: the replica to count on (one in rotation, if any), its tokenize
+        request (`Kind.tokenize`) and the gateway's estimate; the parsed body is let go before
+        the count waits for a tokenizer place."""
         target, mapped = self._parse(request, record, count_only=True)
         pool = next((p for p in target.pools if p.replica.circuit.state == UP), target.pools[0])
         body = {**mapped.body, "model": target.model.model_on(pool.upstream.name)}
-        return pool, tokenize_request(body), mapped.estimated_input_tokens
+        return pool, pool.kind.tokenize(pool.upstream.url, body), mapped.estimated_input_tokens
 
     def _parse(
         self, request: IRequest, record: RequestRecord, *, count_only: bool
@@ -448,7 +438,7 @@ class Messages:
             slot.succeeded()  # it answered, even if with the request's own error
         if response.code != 200:
             error_body = await upstream.read_limited(response)
-            overflow = context_overflow(error_body)
+            overflow = pool.kind.overflow(error_body)
             if overflow is not None:
                 error, record.input_tokens = await self._overflow_error(
                     pool, record, packed, packed.body(**fields), overflow

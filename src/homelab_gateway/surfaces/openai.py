@@ -22,7 +22,6 @@ from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import (
     RETRIED_STATUSES,
     GatewayError,
-    context_overflow,
     upstream_http_error,
     upstream_message,
 )
@@ -216,7 +215,7 @@ class OpenAISurface:
         if response.code == 200:
             return response
         body = await upstream.read_limited(response)
-        if context_overflow(body) is not None:
+        if pool.kind.overflow(body) is not None:
             raise GatewayError(
                 400,
                 upstream_message(body),

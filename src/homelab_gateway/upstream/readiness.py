@@ -1,7 +1,8 @@
 """Readiness: can every model be served? Probed in the background, so /readyz is instant.
 
-Each upstream's `GET {url}/models` is asked every `probe_interval` seconds (vLLM, Ollama and
-llama.cpp all serve it, and it costs no sequence slot). An upstream is ready while its latest
+Each upstream's health probe, as its kind says (`upstream.kinds`: vLLM's and llama.cpp's
+`/health`, Ollama's `/`, any other server's model listing), is asked every `probe_interval`
+seconds; none of them costs a sequence slot or loads a model. An upstream is ready while its latest
 probe succeeded, that success is recent (a prober that stopped must not leave a stale "ready"
 behind) and requests have not taken it out of rotation since. /readyz is 200 while every model
 has a ready replica and every upstream no model names (a proxy route's) is ready. A probe that
@@ -10,7 +11,6 @@ succeeds also puts a replica that was out of rotation back at once.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,11 +21,13 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.replicas import DOWN
+from homelab_gateway.upstream.client import Upstream
+from homelab_gateway.upstream.kinds import Health, Kind
 
 if TYPE_CHECKING:
-    from homelab_gateway.surfaces.messages import Pool
+    from homelab_gateway.line.pool import Pool
 
-MODELS_BODY_LIMIT = 256 * 1024  # Ollama lists every pulled model
+PROBE_BODY_LIMIT = 256 * 1024  # a model listing: Ollama lists every pulled model
 
 
 @dataclass
@@ -33,7 +35,7 @@ class Probe:
     ok: bool = False
     at: float | None = None  # when the latest probe ended
     detail: str = "not probed yet"
-    # vLLM's /v1/models says each model's window (max_model_len); kept from the latest answer.
+    # Each model's window, where the kind's model listing says it; from the latest answer.
     windows: dict[str, int] = field(default_factory=dict)
 
 
@@ -80,23 +82,19 @@ class Readiness:
             self._next = self.clock.callLater(self.interval, self._probe_all)
 
     async def _probe(self, name: str, pool: Pool) -> None:
-        upstream = pool.upstream
         probe = self.probes[name]
-        try:
-            response = await upstream.open("GET", upstream.url + "/models", {}, None)
-            body = await upstream.read_limited(response, MODELS_BODY_LIMIT)
-        except GatewayError as e:
-            probe.ok, probe.detail = False, e.message
-        else:
-            probe.ok = response.code == 200
-            probe.detail = "ok" if probe.ok else f"GET /models answered {response.code}"
-            if probe.ok:
-                probe.windows = _windows(body)
-                pool.line.recovered(pool.replica)
+        health = await check(pool.upstream, pool.kind)
+        listing = pool.kind.listing(pool.upstream.url) if health.ok else None
+        if listing is not None:
+            probe.windows = await _windows(pool.upstream, pool.kind, listing)
+        # Told together with its windows: a ready upstream's window is known at once.
+        probe.ok, probe.detail = health.ok, health.detail
+        if health.ok:
+            pool.line.recovered(pool.replica)
         probe.at = self.clock.seconds()
 
     def context_window(self, upstream: str, model: str) -> int | None:
-        """The upstream's window for `model` as its /models last said, if it says one."""
+        """The upstream's window for `model` as its model listing last said, if it says one."""
         probe = self.probes.get(upstream)
         return probe.windows.get(model) if probe is not None else None
 
@@ -118,16 +116,21 @@ class Readiness:
         return models_ok and all(n in ready for n in upstreams if n not in named), upstreams
 
 
-def _windows(body: bytes) -> dict[str, int]:
-    """{model id: max_model_len} from an OpenAI /models list; vLLM is the one that says it."""
+async def check(upstream: Upstream, kind: Kind) -> Health:
+    """One health probe of `upstream`, as its `kind` asks and reads it."""
     try:
-        data = json.loads(body).get("data")
-    except (ValueError, AttributeError):
+        response = await upstream.open("GET", kind.probe(upstream.url), {}, None)
+        body = await upstream.read_limited(response, PROBE_BODY_LIMIT)
+    except GatewayError as e:
+        return Health(False, e.message)
+    return kind.health(response.code, body)
+
+
+async def _windows(upstream: Upstream, kind: Kind, listing: str) -> dict[str, int]:
+    """Each model's window from the model `listing`; none when it does not answer."""
+    try:
+        response = await upstream.open("GET", listing, {}, None)
+        body = await upstream.read_limited(response, PROBE_BODY_LIMIT)
+    except GatewayError:
         return {}
-    windows: dict[str, int] = {}
-    for entry in data if isinstance(data, list) else ():
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-            size = entry.get("max_model_len")
-            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-                windows[entry["id"]] = size
-    return windows
+    return kind.windows(body) if response.code == 200 else {}
