@@ -20,6 +20,7 @@ from homelab_gateway.config import (
     DEFAULT_BACKLOG,
     UPSTREAM_KINDS,
     AuthConfig,
+    BoxConfig,
     ClientConfig,
     ClusterConfig,
     Config,
@@ -555,6 +556,7 @@ def test_usage_mistakes_name_the_key(tmp_path: Path, text: str, expected: str) -
 TABLES = {
     "server": ServerConfig,
     "upstreams.NAME": UpstreamConfig,
+    "boxes.NAME": BoxConfig,
     "models.NAME": ModelConfig,
     "auth": AuthConfig,
     "clients.NAME": ClientConfig,
@@ -772,3 +774,97 @@ class ProtectMetricsWithClientKeys(TestCase):
         assert self.refusal(config, None) == 401
         assert self.refusal(config, "other") == 401
         assert self.refusal(config, "chat-key") is None
+
+
+MANAGED = """
+[boxes.gpu0]
+memory = 24
+
+[upstreams.coder]
+url = "http://127.0.0.1:8101/v1"
+slots = 4
+box = "gpu0"
+memory = 18
+start = ["vllm", "serve", "Qwen/Qwen3-Coder-30B", "--port", "8101"]
+"""
+
+
+def test_a_managed_upstream_reads_its_box_and_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text(MANAGED)
+    config = load_config(path)
+    coder = config.upstreams["coder"]
+    assert coder.managed and coder.box == "gpu0" and coder.memory == 18
+    assert coder.start == ("vllm", "serve", "Qwen/Qwen3-Coder-30B", "--port", "8101")
+    assert (coder.load_timeout, coder.stop_timeout, coder.idle_unload) == (600, 30, 0)
+    assert coder.stop is None and not coder.sleep_mode
+    assert config.boxes["gpu0"].memory == 24 and config.boxes["gpu0"].min_resident == 30
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ('box = "gpu0"', None),
+        ('box = "gpu1"', "upstreams.coder.box: names unknown box 'gpu1' (known: gpu0)"),
+        ("memory = 25", "upstreams.coder.memory: 25 is more than box 'gpu0' holds (24)"),
+        ("memory = 0", "upstreams.coder.memory: must be a positive number, got 0"),
+        ("start = []", "upstreams.coder.start: must be a non-empty array of strings"),
+        ("sleep_mode = true", "upstreams.coder.sleep_mode: give either `start` or `sleep_mode`"),
+        ("idle_unload = -1", "upstreams.coder.idle_unload: must be a number of seconds >= 0"),
+        ("load_timeout = nan", "upstreams.coder.load_timeout: must be a positive number"),
+    ],
+)
+def test_managed_upstream_mistakes_name_the_key(
+    tmp_path: Path, change: str, expected: str | None
+) -> None:
+    key = change.split(" = ")[0]
+    box, upstream = MANAGED.split("[upstreams.coder]")
+    kept = [line for line in upstream.splitlines() if not line.startswith(f"{key} = ")]
+    text = box + "[upstreams.coder]" + "\n".join([*kept, change])
+    if expected is None:
+        path = tmp_path / "gw.toml"
+        path.write_text(text)
+        load_config(path)
+    else:
+        assert error(tmp_path, text).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("remove", "expected"),
+    [
+        ("box = ", "upstreams.coder.box: is required for a managed upstream"),
+        ("memory = 18", "upstreams.coder.memory: is required for a managed upstream"),
+    ],
+)
+def test_a_managed_upstream_needs_a_box_and_its_memory(
+    tmp_path: Path, remove: str, expected: str
+) -> None:
+    text = "\n".join(line for line in MANAGED.splitlines() if not line.startswith(remove))
+    assert error(tmp_path, text).startswith(expected)
+
+
+def test_a_box_needs_its_memory_and_an_unmanaged_upstream_no_box(tmp_path: Path) -> None:
+    assert error(tmp_path, MANAGED.replace("memory = 24", "")).endswith(
+        "boxes.gpu0.memory: is required"
+    )
+    unmanaged = MANAGED.replace('start = ["vllm"', 'x = ["vllm"').replace("\nx = [", "\n#x = [")
+    assert error(tmp_path, unmanaged).endswith(
+        "upstreams.coder.box: only for a managed upstream (with `start` or `sleep_mode`)"
+    )
+
+
+def test_managed_upstreams_and_a_cluster_are_refused_together(tmp_path: Path) -> None:
+    text = MANAGED + '\n[cluster]\nredis_url = "redis://127.0.0.1:6379/0"\n'
+    assert error(tmp_path, text).startswith("cluster: upstream 'coder' is loaded on demand")
+
+
+def test_system_messages_is_as_sent_or_first(tmp_path: Path) -> None:
+    base = '[upstreams.v]\nurl = "http://v/v1"\nslots = 1\n[models.m]\nupstream = "v"\n'
+    path = tmp_path / "gw.toml"
+    path.write_text(base)
+    assert load_config(path).models["m"].system_messages == "as_sent"
+    path.write_text(base + 'system_messages = "first"\n')
+    assert load_config(path).models["m"].system_messages == "first"
+    assert error(tmp_path, base + 'system_messages = "last"\n').endswith(
+        "models.m.system_messages: must be 'as_sent' or 'first', got 'last'"
+    )

@@ -188,27 +188,50 @@ def is_number(value: Any) -> bool:
     return math.isfinite(value)
 
 
-def seconds(default: float) -> Any:
-    """A positive, finite number of seconds."""
+def seconds(default: float, *, zero: bool = False) -> Any:
+    """A positive, finite number of seconds; with `zero`, 0 too (each such key says what its
+    0 means)."""
 
     def read(table: Table, name: str, default: float) -> float:
         value = table.table.get(name, default)
-        if not is_number(value) or not value > 0:
-            raise table.error(name, f"must be a positive number of seconds, got {describe(value)}")
+        if not is_number(value) or not (value > 0 or (zero and value == 0)):
+            shape = "a number of seconds >= 0" if zero else "a positive number of seconds"
+            raise table.error(name, f"must be {shape}, got {describe(value)}")
         return float(value)
 
     return _field(read, default)
 
 
-def number(default: float, *, check: Check) -> Any:
-    """A number, as float; `check` says what else it must be (and refuses what is none)."""
+def number(default: Any, *, check: Check) -> Any:
+    """A number, as float; `check` says what else it must be (and refuses what is none). A
+    default of None makes the key optional."""
 
-    def read(table: Table, name: str, default: float) -> float:
+    def read(table: Table, name: str, default: float | None) -> float | None:
         value = table.table.get(name, default)
+        if value is MISSING:
+            raise table.error(name, "is required")
+        if value is None:
+            return None
         problem = check(value)
         if problem is not None:
             raise table.error(name, problem)
         return float(value)
+
+    return _field(read, default)
+
+
+def argv(default: tuple[str, ...] | None = None) -> Any:
+    """A command as a non-empty array of strings, run as it is (no shell)."""
+
+    def read(table: Table, name: str, default: Any) -> tuple[str, ...] | None:
+        value = table.table.get(name, default)
+        if value is None:
+            return None
+        if not isinstance(value, list | tuple) or not value:
+            raise table.error(name, f"must be a non-empty array of strings, got {describe(value)}")
+        if not all(isinstance(v, str) for v in value) or not value[0]:
+            raise table.error(name, "must be an array of strings, the program first")
+        return tuple(value)
 
     return _field(read, default)
 

@@ -22,6 +22,7 @@ from homelab_gateway.config.keys import ConfigError, Table, describe
 from homelab_gateway.config.tables import (
     PRIORITY_KINDS,
     AuthConfig,
+    BoxConfig,
     ClientConfig,
     ClusterConfig,
     Config,
@@ -74,8 +75,9 @@ def parse_config(
     clients = _parse_clients(named("clients", ClientConfig), environ)
     auth = _parse_auth(table("auth", AuthConfig), environ, client_keys=bool(clients))
     queue = table("queue", QueueConfig).read()
+    boxes = {name: box.read(name=name) for name, box in named("boxes", BoxConfig).items()}
     upstreams = {
-        name: _parse_upstream(name, upstream, environ)
+        name: _parse_upstream(name, upstream, environ, boxes)
         for name, upstream in named("upstreams", UpstreamConfig).items()
     }
     models = {
@@ -96,10 +98,18 @@ def parse_config(
     cluster = None
     if "cluster" in top.table:
         cluster = _parse_cluster(table("cluster", ClusterConfig), server, environ)
+        managed = [name for name, upstream in upstreams.items() if upstream.managed]
+        if managed:
+            raise top.error(
+                "cluster",
+                f"upstream {managed[0]!r} is loaded on demand, which one gateway alone decides "
+                "(docs/operations.md, 'Models loaded on demand'): no [cluster] with it",
+            )
     return Config(
         server=server,
         upstreams=upstreams,
         models=models,
+        boxes=boxes,
         routes=routes,
         auth=auth,
         clients=clients,
@@ -124,7 +134,9 @@ def _secret(table: Table, key: str, environ: Mapping[str, str]) -> str | None:
     return environ[name]
 
 
-def _parse_upstream(name: str, table: Table, environ: Mapping[str, str]) -> UpstreamConfig:
+def _parse_upstream(
+    name: str, table: Table, environ: Mapping[str, str], boxes: Mapping[str, BoxConfig]
+) -> UpstreamConfig:
     api_key = None
     key_env = table.string("api_key_env")
     if key_env is not None:
@@ -134,7 +146,36 @@ def _parse_upstream(name: str, table: Table, environ: Mapping[str, str]) -> Upst
     upstream = table.read(name=name, api_key=api_key)
     if upstream.forward_priority and upstream.kind not in PRIORITY_KINDS:
         raise table.error("forward_priority", f"kind {upstream.kind!r} takes no priority field")
+    _check_managed(table, upstream, boxes)
     return upstream
+
+
+MANAGED = "a managed upstream (with `start` or `sleep_mode`)"
+
+
+def _check_managed(table: Table, upstream: UpstreamConfig, boxes: Mapping[str, BoxConfig]) -> None:
+    """A managed upstream names its box and its memory, and fits in that box."""
+    if not upstream.managed:
+        for key in ("box", "memory", "stop", "load_timeout", "stop_timeout", "idle_unload"):
+            if key in table.table:
+                raise table.error(key, f"only for {MANAGED}")
+        return
+    if upstream.start is not None and upstream.sleep_mode:
+        raise table.error("sleep_mode", "give either `start` or `sleep_mode`, not both")
+    if upstream.stop is not None and upstream.start is None:
+        raise table.error("stop", "only with `start`")
+    if upstream.box is None:
+        raise table.error("box", f"is required for {MANAGED}")
+    if upstream.box not in boxes:
+        known = ", ".join(sorted(boxes)) or "none are configured"
+        raise table.error("box", f"names unknown box {upstream.box!r} (known: {known})")
+    if upstream.memory is None:
+        raise table.error("memory", f"is required for {MANAGED}")
+    box = boxes[upstream.box]
+    if upstream.memory > box.memory:
+        raise table.error(
+            "memory", f"{upstream.memory:g} is more than box {box.name!r} holds ({box.memory:g})"
+        )
 
 
 def _known_upstream(table: Table, upstreams: Mapping[str, UpstreamConfig]) -> str:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from homelab_gateway.config.keys import (
+    argv,
     boolean,
     choice,
     derived,
@@ -38,6 +39,13 @@ UPSTREAM_KINDS = ("vllm", "llama.cpp", "ollama", "openai")  # "openai": any othe
 kinds import the core, which imports the config); a test holds the two equal."""
 PRIORITY_KINDS = ("vllm",)
 """The kinds whose requests take a scheduling priority (`forward_priority`); tested likewise."""
+SYSTEM_MESSAGES = ("as_sent", "first")
+
+
+def _memory_problem(memory: Any) -> str | None:
+    if is_number(memory) and memory > 0:
+        return None
+    return f"must be a positive number, got {describe(memory)}"
 
 
 def _origin_problem(origin: str) -> str | None:
@@ -94,6 +102,28 @@ class UpstreamConfig:
     fallback: bool = boolean(False)  # takes a model's requests only when no other replica can
     failures_to_open: int = integer(3)  # failures in a row that take it out of rotation
     cooldown: float = seconds(30.0)  # seconds out of rotation before one trial request
+    # Managed (loaded on demand): a server the gateway starts (`start`), or one that sleeps.
+    box: str | None = string(None)  # the [boxes.NAME] whose memory it shares
+    memory: float | None = number(None, check=_memory_problem)  # what it holds while loaded
+    start: tuple[str, ...] | None = argv()
+    stop: tuple[str, ...] | None = argv()  # run instead of SIGTERM (a server in a container)
+    sleep_mode: bool = boolean(False)  # vLLM's sleep mode: /sleep, /wake_up, /is_sleeping
+    load_timeout: float = seconds(600.0)  # from start until its health probe answers
+    stop_timeout: float = seconds(30.0)  # SIGTERM, then SIGKILL after this
+    idle_unload: float = seconds(0.0, zero=True)  # idle seconds before unloading; 0: never
+
+    @property
+    def managed(self) -> bool:
+        return self.start is not None or self.sleep_mode
+
+
+@dataclass(frozen=True)
+class BoxConfig:
+    """`[boxes.NAME]`: a machine whose accelerator memory its managed upstreams share."""
+
+    name: str = derived()
+    memory: float = number(MISSING, check=_memory_problem)  # any unit: its upstreams' `memory`
+    min_resident: float = seconds(30.0, zero=True)  # a loaded model with work keeps its memory
 
 
 @dataclass(frozen=True)
@@ -113,6 +143,8 @@ class ModelConfig:
     strip_billing_header: bool = boolean(True)
     show_reasoning: str = choice(SHOW_REASONING, "always")  # "when_requested": with `thinking`
     context_window: int | None = integer(None)  # prompt + output, where the upstream cannot say
+    # "first": at most one system message, first, on chat completions (core.instructions)
+    system_messages: str = choice(SYSTEM_MESSAGES, "as_sent")
 
     @property
     def replicas(self) -> tuple[str, ...]:
@@ -224,6 +256,7 @@ class Config:
     server: ServerConfig
     upstreams: Mapping[str, UpstreamConfig]
     models: Mapping[str, ModelConfig]
+    boxes: Mapping[str, BoxConfig] = field(default_factory=dict)
     routes: tuple[RouteConfig, ...] = ()
     auth: AuthConfig = AuthConfig()
     clients: Mapping[str, ClientConfig] = field(default_factory=dict)
