@@ -51,8 +51,9 @@ def inspect(kind: str, name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def image() -> str:
-    """The image, built FROM the stand-in base (made first where podman has none)."""
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The image's ID, built FROM the stand-in base (made first where podman has none). The
+    tests use the ID: the tag is for people, and another checkout's run may move it."""
     exists = subprocess.run([*PODMAN, "image", "exists", STAND_IN], check=False)
     if exists.returncode != 0:
         debootstrap = subprocess.Popen(
@@ -76,6 +77,7 @@ def image() -> str:
         assert debootstrap.wait(timeout=60) == 0, "mmdebstrap failed"
         assert imported.returncode == 0, imported.stderr
     mounts = [f"--volume={path}:{path}:ro" for path in HOST_FILES if Path(path).exists()]
+    iidfile = tmp_path_factory.mktemp("build") / "iid"
     podman(
         "build",
         "--format=docker",
@@ -83,10 +85,11 @@ def image() -> str:
         *mounts,
         f"--build-arg=BASE={STAND_IN}",
         f"--tag={IMAGE}",
+        f"--iidfile={iidfile}",
         str(ROOT),
         timeout=900,
     )
-    return IMAGE
+    return iidfile.read_text().strip()
 
 
 def free_port() -> int:
@@ -250,6 +253,8 @@ def test_a_stop_during_a_stream_lets_it_complete_and_exits_0(containers: Contain
         for line in lines:
             if line.startswith(b"event: content_block_delta"):
                 break  # the answer is under way
+        else:
+            pytest.fail("the stream ended before its answer began")
         # A timeout far above the drain's needs: a kill would show as a failure, not a pass.
         stop = subprocess.Popen([*PODMAN, "stop", "--time=60", name], stdout=subprocess.DEVNULL)
         seen = events(lines)
