@@ -13,6 +13,7 @@ never as files of the image.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import urllib.request
@@ -54,6 +55,8 @@ def inspect(kind: str, name: str) -> dict[str, Any]:
 def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The image's ID, built FROM the stand-in base (made first where podman has none). The
     tests use the ID: the tag is for people, and another checkout's run may move it."""
+    for tool in ("podman", "runc", "mmdebstrap"):
+        assert shutil.which(tool), f"{tool} is missing: `make test` installs it"
     exists = subprocess.run([*PODMAN, "image", "exists", STAND_IN], check=False)
     if exists.returncode != 0:
         debootstrap = subprocess.Popen(
