@@ -142,7 +142,7 @@ class Containers:
 
     def remove(self) -> None:
         if self.names:
-            podman("rm", "--force", "--volumes", "--time=0", *self.names)
+            podman("rm", "--force", "--ignore", "--volumes", "--time=0", *self.names)
         if self.volumes:
             podman("volume", "rm", "--force", *self.volumes)
 
@@ -181,10 +181,10 @@ def containers(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stub.stop()
 
 
-def ask(url: str, stream: bool) -> Any:
-    """A request for the `reasoning` model; the open response."""
+def ask(url: str, stream: bool, model: str = "reasoning") -> Any:
+    """A request for `model`; the open response."""
     body = {
-        "model": "reasoning",
+        "model": model,
         "max_tokens": 64,
         "stream": stream,
         "messages": [{"role": "user", "content": "hi"}],
@@ -235,17 +235,7 @@ def test_the_demo_listens_on_every_interface(containers: Containers) -> None:
     listens on all of the container's interfaces, so a published port reaches it."""
     name, url = containers.run("demo", "--demo")
     assert "homelab-gateway listening on http://0.0.0.0:" in podman("logs", name)
-    body = {
-        "model": "qwen2.5:3b-instruct",
-        "max_tokens": 64,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    request = urllib.request.Request(
-        url + "/llm/v1/messages",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with ask(url, stream=False, model="qwen2.5:3b-instruct") as response:
         assert json.load(response)["content"][0]["type"] == "text"
 
 
