@@ -9,6 +9,11 @@ BIN := $(VENV)/bin
 CHROMIUM := /usr/bin/chromium
 # The tests of gateways sharing a line run a real Redis: Debian's redis-server.
 REDIS := /usr/bin/redis-server
+# tests/test_container.py builds and runs the image with Debian's podman (on runc) FROM a
+# stand-in base that Debian's mmdebstrap makes; podman's image store keeps the base between runs.
+PODMAN := /usr/bin/podman
+MMDEBSTRAP := /usr/bin/mmdebstrap
+RUNC := /usr/sbin/runc
 # tests/test_codex.py runs OpenAI's Codex CLI, at the version package-lock.json pins, from
 # node_modules/ (npm ci); npm is Debian's where the machine has none.
 NPM := $(or $(shell command -v npm 2>/dev/null),/usr/bin/npm)
@@ -34,6 +39,10 @@ $(REDIS):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 
+$(PODMAN) $(MMDEBSTRAP) $(RUNC):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman mmdebstrap runc >/dev/null
+
 $(NPM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
@@ -43,7 +52,7 @@ $(CODEX): package-lock.json | $(NPM)
 	npm ci --no-audit --no-fund
 	touch $(CODEX)
 
-test: install $(CHROMIUM) $(REDIS) $(CODEX)
+test: install $(CHROMIUM) $(REDIS) $(CODEX) $(PODMAN) $(MMDEBSTRAP) $(RUNC)
 	$(BIN)/ruff check src tests testsupport twisted bench
 	$(BIN)/ruff format --check src tests testsupport twisted bench
 	$(BIN)/python -m pytest
