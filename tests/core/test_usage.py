@@ -107,6 +107,11 @@ def test_by_takes_several_fields_and_lists_them_in_row_order() -> None:
     [
         (args(since="yesterday"), "since"),
         (args(until="nan"), "until"),
+        (args(since="1e19"), "since"),
+        (args(until="1e19"), "until"),
+        (args(since="-1e19"), "since"),
+        (args(since="1e300"), "since"),
+        (args(until="inf"), "until"),
         (args(since=str(NOON), until=str(NOON)), "until"),
         (args(by="client,outcome"), "by"),
         (args(by=""), "by"),

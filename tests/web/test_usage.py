@@ -77,3 +77,71 @@ class UsageEndpoint(TestCase):
         self.assertEqual(refused.status, 400)
         error = json.loads(refused.body_text())["error"]
         self.assertTrue(error["message"].startswith("by: "), error)
+
+
+CLIENTS = {"alice": {"key_env": "ALICE_KEY"}, "bob": {"key_env": "BOB_KEY"}}
+CLIENT_KEYS = {"ALICE_KEY": "alice-key", "BOB_KEY": "bob-key"}
+
+
+class WhoReadsWhat(TestCase):
+    """Wherever keys exist, `/llm/v1/usage` takes one: a `[clients]` key reads its own rows,
+    an operator's key (`[auth]`) every client's; `protect_metrics` opens to any key."""
+
+    def start(self, protect_metrics: bool) -> None:
+        self.servers = Servers(self)
+        stub_url, _, _ = self.servers.stub()
+        document = {
+            **gateway_document(stub_url),
+            "auth": {"api_keys_env": "GATEWAY_KEYS", "protect_metrics": protect_metrics},
+            "clients": CLIENTS,
+        }
+        self.servers.start_gateway(document, environ={"GATEWAY_KEYS": KEY, **CLIENT_KEYS})
+        self.port = self.servers.gateway_port
+
+    async def get(self, path: str, key: str | None = None) -> RawResponse:
+        headers = {} if key is None else {"x-api-key": key}
+        response = raw_request(self.port, "GET", path, headers=headers)
+        await response.closed
+        return response
+
+    async def clients_read(self, path: str, key: str) -> list[str]:
+        response = await self.get(path, key)
+        self.assertEqual(response.status, 200, response.body_text())
+        return [row["client"] for row in json.loads(response.body_text())["rows"]]
+
+    @async_test
+    async def test_a_client_key_reads_its_own_rows_and_an_operator_key_all(self) -> None:
+        self.start(protect_metrics=False)
+        for key in ("alice-key", "bob-key"):
+            answer = raw_request(
+                self.port, "POST", "/llm/v1/messages", chat(stream=False), {"x-api-key": key}
+            )
+            await answer.closed
+            self.assertEqual(answer.status, 200)
+        self.assertEqual((await self.get("/llm/v1/usage")).status, 401)
+        self.assertEqual(await self.clients_read("/llm/v1/usage", "alice-key"), ["alice"])
+        self.assertEqual(
+            await self.clients_read("/llm/v1/usage?client=alice", "alice-key"), ["alice"]
+        )
+        other = await self.get("/llm/v1/usage?client=bob", "alice-key")
+        self.assertEqual(other.status, 403, other.body_text())
+        self.assertEqual(json.loads(other.body_text())["error"]["type"], "permission_error")
+        self.assertEqual(await self.clients_read("/llm/v1/usage", KEY), ["alice", "bob"])
+        self.assertEqual(await self.clients_read("/llm/v1/usage?client=bob", KEY), ["bob"])
+
+    @async_test
+    async def test_with_protect_metrics_any_configured_key_opens_metrics_and_status(self) -> None:
+        self.start(protect_metrics=True)
+        for path in ("/metrics", "/llm/v1/status"):
+            self.assertEqual((await self.get(path)).status, 401, path)
+            for key in (KEY, "alice-key"):
+                self.assertEqual((await self.get(path, key)).status, 200, (path, key))
+
+    @async_test
+    async def test_a_moment_past_what_a_date_can_say_is_a_400(self) -> None:
+        self.start(protect_metrics=False)
+        for asked in ("since=1e19", "until=1e19", "since=-1e19", "since=1e300"):
+            response = await self.get(f"/llm/v1/usage?{asked}", KEY)
+            self.assertEqual(response.status, 400, (asked, response.body_text()))
+            error = json.loads(response.body_text())["error"]
+            self.assertTrue(error["message"].startswith(asked.split("=")[0] + ": "), error)

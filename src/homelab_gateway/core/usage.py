@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -121,6 +120,8 @@ class UsageQuery:
 
 
 PARAMETERS = ("since", "until", "client", "by", "format")
+FIRST_MOMENT = datetime.min.replace(tzinfo=UTC).timestamp()
+LAST_MOMENT = datetime.max.replace(tzinfo=UTC).timestamp()
 FORMATS = ("json", "csv")
 
 
@@ -154,14 +155,15 @@ def parse_query(args: Mapping[bytes, Sequence[bytes]]) -> UsageQuery:
 
 
 def _moment(name: str, text: str) -> float:
-    """Unix seconds, or an ISO 8601 date or date and time (UTC unless it says otherwise)."""
+    """Unix seconds, or an ISO 8601 date or date and time (UTC unless it says otherwise); in
+    the years 1 to 9999, as a date can be written (and an hour fits SQLite's integers)."""
     try:
         seconds = float(text)
     except ValueError:
         pass
     else:
-        if not math.isfinite(seconds):
-            raise InvalidQuery(name, f"must be a finite number of unix seconds, got {text!r}")
+        if not FIRST_MOMENT <= seconds <= LAST_MOMENT:  # NaN too
+            raise InvalidQuery(name, f"must be unix seconds in the years 1 to 9999, got {text!r}")
         return seconds
     try:
         moment = datetime.fromisoformat(text)
