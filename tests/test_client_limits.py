@@ -118,3 +118,41 @@ async def raw_status(port: int) -> dict[str, Any]:
     response = raw_request(port, "GET", "/llm/v1/status")
     await response.closed
     return dict(json.loads(response.body_text()))
+
+
+class RefusedRequests(FairLine):
+    """A prompt the upstream refuses (past its window) produced no token: it costs nothing."""
+
+    limits = {"frontend": {"tokens_per_day": 1000}}
+    stub_settings = {**FairLine.stub_settings, "max_model_len": 64}
+
+    @async_test
+    async def test_a_prompt_the_upstream_refuses_is_charged_nothing_on_every_surface(
+        self,
+    ) -> None:
+        long = "many words " * 400
+        bodies = {
+            "/llm/v1/messages": tagged("long", stream=False, content=long),
+            "/llm/v1/chat/completions": {
+                "model": "reasoning",
+                "messages": [{"role": "user", "content": long}],
+            },
+            "/llm/v1/responses": {"model": "reasoning", "input": long},
+        }
+        for path, body in bodies.items():
+            refused = raw_request(
+                self.port, "POST", path, body, headers={"authorization": "Bearer chat-key"}
+            )
+            await refused.closed
+            self.assertEqual(refused.status, 400, (path, refused.body_text()))
+        status = await raw_status(self.port)
+        self.assertEqual(status["clients"]["frontend"]["tokens_used"], 0)
+        usage = raw_request(
+            self.port, "GET", "/llm/v1/usage?by=client,surface", headers={"x-api-key": "chat-key"}
+        )
+        await usage.closed
+        rows = json.loads(usage.body_text())["rows"]
+        self.assertEqual(
+            [(r["surface"], r["requests"], r["input_tokens"], r["output_tokens"]) for r in rows],
+            [("chat", 1, 0, 0), ("messages", 1, 0, 0), ("responses", 1, 0, 0)],
+        )

@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from homelab_gateway.core import quota
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.record import RequestRecord
-from homelab_gateway.core.usage import HOUR, UsageQuery
+from homelab_gateway.core.usage import HOUR, UsageQuery, charged
 from homelab_gateway.line.cluster import LINK_FAILURES, Cluster
 from homelab_gateway.line.limiter import Unavailable
 
@@ -117,9 +117,9 @@ class Quotas:
         self.store = store
 
     def add(self, record: RequestRecord) -> None:
-        """A finished request's tokens count against its client's quota, if it reached an
-        upstream: held a slot (one refused before has only an estimate of its prompt)."""
-        if record.client in self.limits and record.slot_seconds is not None:
+        """A finished request's tokens count against its client's quota where they are
+        `charged`: it held a slot, and no error status answered it."""
+        if record.client in self.limits and charged(record):
             tokens = (record.input_tokens or 0) + (record.output_tokens or 0)
             if tokens > 0:
                 self.store.spend(record.client, tokens)

@@ -51,6 +51,15 @@ def counted(record: RequestRecord) -> bool:
     return record.surface in SURFACES and record.served_model is not None
 
 
+def charged(record: RequestRecord) -> bool:
+    """Whether a finished request's tokens count (ledger, quota, metrics): only if it held a
+    slot and was not answered with an error status. One refused before a slot has only an
+    estimate of its prompt, and one the upstream (or the gateway) refused with an error
+    produced no token, whatever its prompt's size; a client that left mid-answer has no
+    status, and pays for what the upstream did."""
+    return record.slot_seconds is not None and (record.status is None or record.status < 400)
+
+
 def key_of(record: RequestRecord, at: float) -> Key | None:
     """The bucket of a request that finished at `at`; None for one the ledger leaves out."""
     if not counted(record):
@@ -61,9 +70,8 @@ def key_of(record: RequestRecord, at: float) -> Key | None:
 
 
 def sums_of(record: RequestRecord) -> list[float]:
-    """A request's sums; its tokens only if it held a slot (one refused before has only an
-    estimate of its prompt, which no answer told its client)."""
-    ran = record.slot_seconds is not None
+    """A request's sums; its tokens only where they are `charged`."""
+    ran = charged(record)
     return [
         1,
         (record.input_tokens or 0) if ran else 0,
