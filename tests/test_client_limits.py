@@ -120,6 +120,40 @@ async def raw_status(port: int) -> dict[str, Any]:
     return dict(json.loads(response.body_text()))
 
 
+class AtOnce(FairLine):
+    """Requests sent together are each checked again when granted a slot."""
+
+    slots = 2
+    limits = {"frontend": {"tokens_per_day": 40}}
+
+    @async_test
+    async def test_twelve_requests_at_once_overrun_the_day_by_at_most_two_slots_worth(
+        self,
+    ) -> None:
+        sent = [
+            raw_request(
+                self.port,
+                "POST",
+                "/llm/v1/messages",
+                tagged(f"burst-{i}", stream=False, max_tokens=8),
+                headers={"authorization": "Bearer chat-key"},
+            )
+            for i in range(12)
+        ]
+        spent = []
+        for response in sent:
+            await response.closed
+            if response.status == 200:
+                usage = json.loads(response.body_text())["usage"]
+                spent.append(usage["input_tokens"] + usage["output_tokens"])
+            else:
+                self.assertEqual(response.status, 429, response.body_text())
+        self.assertLess(len(spent), 12)
+        self.assertLessEqual(sum(spent), 40 + 2 * max(spent), spent)
+        status = await raw_status(self.port)
+        self.assertEqual(status["clients"]["frontend"]["tokens_used"], sum(spent))
+
+
 class RefusedRequests(FairLine):
     """A prompt the upstream refuses (past its window) produced no token: it costs nothing."""
 

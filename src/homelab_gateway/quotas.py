@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
 
 log = Logger()
+RUNNING_RETRY_AFTER = 5
+"""Seconds a request refused for its client's running requests is told to wait: they end
+soon, and may spend less than they reserved."""
 
 
 class Store(Protocol):
@@ -110,41 +113,63 @@ class Shared:
 
 
 class Quotas:
-    """The configured clients' `tokens_per_day`, and their usage in `store`."""
+    """The configured clients' `tokens_per_day`, their usage in `store`, and what their
+    running requests may still spend (`running`: each one's reservation, its input estimate
+    plus its output cap, from its slot to its end; this gateway's requests only)."""
 
     def __init__(self, limits: Mapping[str, int], store: Store) -> None:
         self.limits = dict(limits)
         self.store = store
+        self.running: dict[str, dict[int, int]] = {}  # client -> id of record -> tokens
 
     def add(self, record: RequestRecord) -> None:
         """A finished request's tokens count against its client's quota where they are
-        `charged`: it held a slot, and no error status answered it."""
+        `charged`: it held a slot, and no error status answered it. Its reservation ends."""
+        self._release(record)
         if record.client in self.limits and charged(record):
             tokens = (record.input_tokens or 0) + (record.output_tokens or 0)
             if tokens > 0:
                 self.store.spend(record.client, tokens)
 
     async def check(self, record: RequestRecord) -> None:
-        """Raise a 429 if the request's client has spent its quota in the rolling day. A
-        store out of reach lets it by: the quota is a budget, not the cap."""
-        limit = self.limits.get(record.client)
+        """Raise a 429 if the request's client has spent its quota in the rolling day, or
+        would have once its other running requests spent their reservations. A store out of
+        reach lets it by: the quota is a budget, not the cap."""
+        client = record.client
+        limit = self.limits.get(client)
         if limit is None:
             return
         try:
-            wait = await self.store.wait(record.client, limit)
+            wait = await self.store.wait(client, limit)
         except (Unavailable, *LINK_FAILURES) as e:
-            log.warn("tokens_per_day of {client} not checked: {e}", client=record.client, e=e)
+            log.warn("tokens_per_day of {client} not checked: {e}", client=client, e=e)
             return
-        if wait is None:
+        if wait is not None:
+            seconds = max(1, int(-(-wait // 1)))
+            raise _refusal(client, f"has used its {limit} tokens of the last 24 hours", seconds)
+        others = sum(n for at, n in self.running.get(client, {}).items() if at != id(record))
+        if others and (self.store.known(client) or 0) + others >= limit:
+            spent = f"may spend its {limit} tokens of the last 24 hours in its running requests"
+            raise _refusal(client, spent, RUNNING_RETRY_AFTER)
+
+    async def admit(self, record: RequestRecord, output_cap: int | None) -> None:
+        """A request just granted a slot: checked again, counting the reservations of its
+        client's other running requests, so N requests let in at once on arrival overrun the
+        day by at most N slots' worth; then it reserves its own until it ends (`add`)."""
+        if record.client not in self.limits:
             return
-        seconds = max(1, int(-(-wait // 1)))
-        raise GatewayError(
-            429,
-            f"client {record.client} has used its {limit} tokens of the last 24 hours; "
-            f"please try again in {seconds}s",
-            retry_after=seconds,
-            outcome="rejected_quota",
-        )
+        reserved = self.running.setdefault(record.client, {})
+        reserved[id(record)] = (record.input_tokens or 0) + (output_cap or 0)
+        try:
+            await self.check(record)
+        except Exception:
+            self._release(record)
+            raise
+
+    def _release(self, record: RequestRecord) -> None:
+        reserved = self.running.get(record.client)
+        if reserved is not None and reserved.pop(id(record), None) is not None and not reserved:
+            del self.running[record.client]
 
     def status(self) -> dict[str, dict[str, int | None]]:
         """Each limited client's quota and the tokens it used in the rolling day, as far as
@@ -153,3 +178,12 @@ class Quotas:
             client: {"tokens_per_day": limit, "tokens_used": self.store.known(client)}
             for client, limit in sorted(self.limits.items())
         }
+
+
+def _refusal(client: str, why: str, seconds: int) -> GatewayError:
+    return GatewayError(
+        429,
+        f"client {client} {why}; please try again in {seconds}s",
+        retry_after=seconds,
+        outcome="rejected_quota",
+    )
