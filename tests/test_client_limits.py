@@ -3,13 +3,15 @@ and `tokens_per_day` (tokens in a rolling day), on every surface."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
 
+from homelab_gateway.config import parse_config
 from tests.helpers import raw_request, wait_for
 from tests.surfaces.test_proxy import async_test
-from tests.test_fairness import FairLine, StartLog, tagged
+from tests.test_fairness import KEYS, FairLine, StartLog, tagged
 
 
 class Concurrency(StartLog):
@@ -152,6 +154,39 @@ class AtOnce(FairLine):
         self.assertLessEqual(sum(spent), 40 + 2 * max(spent), spent)
         status = await raw_status(self.port)
         self.assertEqual(status["clients"]["frontend"]["tokens_used"], sum(spent))
+
+
+class LiftedAndRestored(FairLine):
+    limits = {"frontend": {"tokens_per_day": 1000}}
+
+    async def spend(self) -> int:
+        answer = raw_request(
+            self.port,
+            "POST",
+            "/llm/v1/messages",
+            tagged("t", stream=False),
+            headers={"authorization": "Bearer chat-key"},
+        )
+        await answer.closed
+        usage = json.loads(answer.body_text())["usage"]
+        return int(usage["input_tokens"] + usage["output_tokens"])
+
+    def used(self) -> int | None:
+        return self.servers.gateway.quotas.status().get("frontend", {}).get("tokens_used")
+
+    @async_test
+    async def test_after_a_reload_that_lifts_and_restores_the_limit_the_day_is_the_ledgers(
+        self,
+    ) -> None:
+        first = await self.spend()
+        self.assertEqual(self.used(), first)
+        lifted = copy.deepcopy(self.document)
+        del lifted["clients"]["frontend"]["tokens_per_day"]
+        self.servers.gateway.reload(parse_config(lifted, environ=KEYS))
+        second = await self.spend()  # not limited: counted by the ledger alone
+        self.servers.gateway.reload(parse_config(self.document, environ=KEYS))
+        await wait_for(lambda: self.used() != first, what="the day read back")
+        self.assertEqual(self.used(), first + second)
 
 
 class RefusedRequests(FairLine):

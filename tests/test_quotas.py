@@ -118,6 +118,11 @@ class Seeded(TestCase):
         else:
             self.fail("not refused")
         self.assertEqual(store.known("carol"), 0, "only limited clients are seeded")
+        reading = Deferred.fromCoroutine(store.seed(ledger, {"alice": 100}))  # a reload
+        ledger.add(record(client="alice", input_tokens=5, output_tokens=0))
+        store.spend("alice", 5)  # finished while the ledger is read
+        await reading
+        self.assertEqual(store.known("alice"), 105, "the ledger's day, never counted twice")
 
 
 class InRedis(TestCase):

@@ -52,9 +52,13 @@ class Local:
     def __init__(self, clock: IReactorTime) -> None:
         self.clock = clock
         self.tally = quota.Tally()
+        self._reads: list[list[tuple[str, int, float]]] = []  # spends while a seed reads
 
     def spend(self, client: str, tokens: int) -> None:
-        self.tally.add(client, tokens, self.clock.seconds())
+        now = self.clock.seconds()
+        self.tally.add(client, tokens, now)
+        for spent in self._reads:
+            spent.append((client, tokens, now))
 
     def wait(self, client: str, limit: int) -> Deferred[float | None]:
         return succeed(self.tally.retry_after(client, limit, self.clock.seconds()))
@@ -63,14 +67,27 @@ class Local:
         return self.tally.used(client, self.clock.seconds())
 
     async def seed(self, ledger: Ledger, clients: Mapping[str, int]) -> None:
-        """The day's usage from the ledger, hour by hour, before any request is counted."""
+        """`clients`' days as the ledger has them, hour by hour, in place of what is counted
+        here: at start, and after a reload (a client whose limit was lifted and restored was
+        not counted meanwhile, and must not count twice). The ledger's read includes every
+        request finished when it began; those that finish while it runs are counted after."""
         now = self.clock.seconds()
-        rows = await ledger.rows(UsageQuery(since=now - quota.WINDOW, by=("client", "hour")))
+        spent: list[tuple[str, int, float]] = []
+        self._reads.append(spent)
+        try:
+            rows = await ledger.rows(UsageQuery(since=now - quota.WINDOW, by=("client", "hour")))
+        finally:
+            self._reads.remove(spent)
+        for client in clients:
+            self.tally.forget(client)
         for row in rows:
             if row["client"] in clients:
                 ended = datetime.fromisoformat(row["hour"]).timestamp() + HOUR
                 tokens = row["input_tokens"] + row["output_tokens"]
                 self.tally.add(row["client"], tokens, min(ended, now) - 1)
+        for client, tokens, at in spent:
+            if client in clients:
+                self.tally.add(client, tokens, at)
 
 
 class Shared:

@@ -279,16 +279,17 @@ class Gateway:
         self._started = True
         self.readiness.start()
         self.ledger.start()
-        self._seed_quotas(self.quotas.limits)
+        if self.ledger.database != MEMORY:  # a new database in memory has no day to read
+            self._seed_quotas(self.quotas.limits)
         self.app.status_page.start()
         if self.cluster is not None:
             self.cluster.start()
 
     def _seed_quotas(self, clients: Mapping[str, int]) -> None:
-        """A gateway alone counts only limited clients' tokens: those newly limited (at start,
-        or by a reload) get their day from the ledger."""
+        """A gateway alone counts only limited clients' tokens: at start and after every
+        reload, each one's day is the ledger's."""
         store = self.quotas.store
-        if isinstance(store, Local) and clients and self.ledger.database != MEMORY:
+        if isinstance(store, Local) and clients:
             seeded = ensureDeferred(store.seed(self.ledger, clients))
             seeded.addErrback(lambda f: log.failure("tokens_per_day: cannot read the ledger", f))
 
@@ -305,7 +306,7 @@ class Gateway:
         self.models.clear()
         self.models.update(config.models)
         limits = _quotas(config)
-        self._seed_quotas({c: n for c, n in limits.items() if c not in self.quotas.limits})
+        self._seed_quotas(limits)
         self.quotas.limits = limits
         self.app.proxy = self._proxy(config)
         self.app.messages = self._messages(config)
