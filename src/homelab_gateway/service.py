@@ -41,7 +41,7 @@ from homelab_gateway.config import (
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.core.replicas import DOWN
-from homelab_gateway.ledger import MEMORY, Ledger
+from homelab_gateway.ledger import MEMORY, Ledger, LedgerError
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
@@ -470,6 +470,10 @@ class GatewayService(Service):
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
         self.gateway = Gateway(self.config, self.reactor)
+        try:
+            self.gateway.ledger.check()
+        except LedgerError as e:
+            raise SystemExit(f"homelab-gateway: usage.database: {e}") from None
         # SIGHUP's default action ends the process: handle it before saying "listening". The
         # reactor leaves SIGHUP alone; it installs its own SIGTERM and SIGINT as it starts.
         self._handle(signal.SIGHUP)
