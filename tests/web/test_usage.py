@@ -4,13 +4,16 @@ and CSV, a bad parameter named in its 400."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 from typing import Any
 
 from twisted.trial.unittest import TestCase
+from twisted.web.test.requesthelper import DummyRequest
 
-from homelab_gateway.config import auth_key_name
+from homelab_gateway.config import ClientConfig, auth_key_name
+from homelab_gateway.web.access import AccessPolicy
 from tests.helpers import RawResponse, Servers, chat, gateway_document, raw_request
 from tests.surfaces.test_proxy import async_test
 
@@ -145,3 +148,26 @@ class WhoReadsWhat(TestCase):
             self.assertEqual(response.status, 400, (asked, response.body_text()))
             error = json.loads(response.body_text())["error"]
             self.assertTrue(error["message"].startswith(asked.split("=")[0] + ": "), error)
+
+
+def test_with_only_client_keys_protect_metrics_takes_a_client_key() -> None:
+    """What `/metrics` and `/llm/v1/status` ask of a request (`refusal`, `protected` as
+    `protect_metrics` says), with `[clients]` keys and no operator's."""
+    digest = hashlib.sha256(b"alice-key").digest()
+    policy = AccessPolicy(
+        None,
+        protect_metrics=True,
+        cors_origins=(),
+        clients={"alice": ClientConfig(name="alice", key_sha256=digest)},
+    )
+
+    def asking(key: str | None) -> DummyRequest:
+        request = DummyRequest([b""])
+        if key is not None:
+            request.requestHeaders.setRawHeaders(b"x-api-key", [key.encode()])
+        return request
+
+    assert policy.refusal(asking(None), protected=policy.protect_metrics, draining=False)
+    assert policy.refusal(asking("nope"), protected=policy.protect_metrics, draining=False)
+    assert policy.refusal(asking("alice-key"), protected=True, draining=False) is None
+    assert policy.client_key(asking("alice-key")) == "alice"
