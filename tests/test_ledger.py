@@ -181,3 +181,8 @@ def test_the_systemd_unit_keeps_the_default_ledger_in_its_state_directory() -> N
     assert settings["ProtectSystem"] == "strict"
     assert settings["WorkingDirectory"] == f"%S/{settings['StateDirectory']}"
     assert UsageConfig().database == "usage.sqlite3"  # relative: in the working directory
+
+
+def test_the_check_at_start_leaves_no_file_it_made(tmp_path: Path) -> None:
+    Ledger(str(tmp_path / "usage.sqlite3"), 90, Clock()).check()
+    assert list(tmp_path.iterdir()) == []

@@ -144,9 +144,11 @@ class Ledger:
         """Open the database and write to it (a row, rolled back) here and now, before the
         gateway listens: one it cannot write (a read-only folder, as `/` is under systemd's
         `ProtectSystem=strict`) is a `LedgerError` at start rather than a traceback at every
-        write while requests go uncounted."""
+        write while requests go uncounted. A file made for the check is removed again: the
+        first write makes it anew, and a gateway that never counts a request leaves none."""
         if self.database == MEMORY:
             return
+        existed = os.path.exists(self.database)
         try:
             connection = sqlite3.connect(self.database)
             try:
@@ -158,6 +160,8 @@ class Ledger:
                 connection.close()
         except sqlite3.Error as e:
             raise LedgerError(f"cannot write {self.database}: {e}") from None
+        if not existed:
+            os.remove(self.database)
 
     def start(self) -> None:
         self._trimming.start(TRIM_INTERVAL, now=True)
