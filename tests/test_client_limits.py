@@ -3,12 +3,14 @@ and `tokens_per_day` (tokens in a rolling day), on every surface."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
 
+from homelab_gateway.config import parse_config
 from tests.surfaces.test_proxy import async_test
-from tests.test_fairness import FairLine, StartLog, tagged
+from tests.test_fairness import KEYS, FairLine, StartLog, tagged
 from testsupport.helpers import raw_request, wait_for
 
 
@@ -118,3 +120,108 @@ async def raw_status(port: int) -> dict[str, Any]:
     response = raw_request(port, "GET", "/llm/v1/status")
     await response.closed
     return dict(json.loads(response.body_text()))
+
+
+class AtOnce(FairLine):
+    """Requests sent together are each checked again when granted a slot."""
+
+    slots = 2
+    limits = {"frontend": {"tokens_per_day": 40}}
+
+    @async_test
+    async def test_twelve_requests_at_once_overrun_the_day_by_at_most_two_slots_worth(
+        self,
+    ) -> None:
+        sent = [
+            raw_request(
+                self.port,
+                "POST",
+                "/llm/v1/messages",
+                tagged(f"burst-{i}", stream=False, max_tokens=8),
+                headers={"authorization": "Bearer chat-key"},
+            )
+            for i in range(12)
+        ]
+        spent = []
+        for response in sent:
+            await response.closed
+            if response.status == 200:
+                usage = json.loads(response.body_text())["usage"]
+                spent.append(usage["input_tokens"] + usage["output_tokens"])
+            else:
+                self.assertEqual(response.status, 429, response.body_text())
+        self.assertLess(len(spent), 12)
+        self.assertLessEqual(sum(spent), 40 + 2 * max(spent), spent)
+        status = await raw_status(self.port)
+        self.assertEqual(status["clients"]["frontend"]["tokens_used"], sum(spent))
+
+
+class LiftedAndRestored(FairLine):
+    limits = {"frontend": {"tokens_per_day": 1000}}
+
+    async def spend(self) -> int:
+        answer = raw_request(
+            self.port,
+            "POST",
+            "/llm/v1/messages",
+            tagged("t", stream=False),
+            headers={"authorization": "Bearer chat-key"},
+        )
+        await answer.closed
+        usage = json.loads(answer.body_text())["usage"]
+        return int(usage["input_tokens"] + usage["output_tokens"])
+
+    def used(self) -> int | None:
+        return self.servers.gateway.quotas.status().get("frontend", {}).get("tokens_used")
+
+    @async_test
+    async def test_after_a_reload_that_lifts_and_restores_the_limit_the_day_is_the_ledgers(
+        self,
+    ) -> None:
+        first = await self.spend()
+        self.assertEqual(self.used(), first)
+        lifted = copy.deepcopy(self.document)
+        del lifted["clients"]["frontend"]["tokens_per_day"]
+        self.servers.gateway.reload(parse_config(lifted, environ=KEYS))
+        second = await self.spend()  # not limited: counted by the ledger alone
+        self.servers.gateway.reload(parse_config(self.document, environ=KEYS))
+        await wait_for(lambda: self.used() != first, what="the day read back")
+        self.assertEqual(self.used(), first + second)
+
+
+class RefusedRequests(FairLine):
+    """A prompt the upstream refuses (past its window) produced no token: it costs nothing."""
+
+    limits = {"frontend": {"tokens_per_day": 1000}}
+    stub_settings = {**FairLine.stub_settings, "max_model_len": 64}
+
+    @async_test
+    async def test_a_prompt_the_upstream_refuses_is_charged_nothing_on_every_surface(
+        self,
+    ) -> None:
+        long = "many words " * 400
+        bodies = {
+            "/llm/v1/messages": tagged("long", stream=False, content=long),
+            "/llm/v1/chat/completions": {
+                "model": "reasoning",
+                "messages": [{"role": "user", "content": long}],
+            },
+            "/llm/v1/responses": {"model": "reasoning", "input": long},
+        }
+        for path, body in bodies.items():
+            refused = raw_request(
+                self.port, "POST", path, body, headers={"authorization": "Bearer chat-key"}
+            )
+            await refused.closed
+            self.assertEqual(refused.status, 400, (path, refused.body_text()))
+        status = await raw_status(self.port)
+        self.assertEqual(status["clients"]["frontend"]["tokens_used"], 0)
+        usage = raw_request(
+            self.port, "GET", "/llm/v1/usage?by=client,surface", headers={"x-api-key": "chat-key"}
+        )
+        await usage.closed
+        rows = json.loads(usage.body_text())["rows"]
+        self.assertEqual(
+            [(r["surface"], r["requests"], r["input_tokens"], r["output_tokens"]) for r in rows],
+            [("chat", 1, 0, 0), ("messages", 1, 0, 0), ("responses", 1, 0, 0)],
+        )

@@ -12,9 +12,11 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway.config import UsageConfig
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.usage import UsageQuery
 from homelab_gateway.ledger import DAY, Ledger
+from tests.test_twistd import run_gateway
 
 NOON = 1_796_212_800  # 2026-12-02T12:00:00Z
 
@@ -156,3 +158,31 @@ class LedgerTest(TestCase):
         await ledger.stop()
         with sqlite3.connect(self.path / "missing" / "usage.sqlite3") as connection:
             self.assertEqual(connection.execute("SELECT requests FROM usage").fetchall(), [(2,)])
+
+
+def test_a_database_it_cannot_write_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    """As under systemd's `ProtectSystem=strict` with no state directory: `/proc` takes no
+    file, even from root."""
+    (tmp_path / "gw.toml").write_text('[usage]\ndatabase = "/proc/usage.sqlite3"\n')
+    result = run_gateway(tmp_path, "--config", str(tmp_path / "gw.toml"))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if "usage.database" in line]
+    assert len(lines) == 1, output
+    assert "usage.database: cannot write /proc/usage.sqlite3" in lines[0]
+
+
+def test_the_systemd_unit_keeps_the_default_ledger_in_its_state_directory() -> None:
+    """`ProtectSystem=strict` makes `/` read-only: the unit's working directory, where the
+    default `usage.sqlite3` lands, is its `StateDirectory=`."""
+    unit = Path(__file__).parent.parent / "etc" / "homelab-gateway.service"
+    lines = unit.read_text().splitlines()
+    settings = dict(line.split("=", 1) for line in lines if "=" in line and line[0] != "#")
+    assert settings["ProtectSystem"] == "strict"
+    assert settings["WorkingDirectory"] == f"%S/{settings['StateDirectory']}"
+    assert UsageConfig().database == "usage.sqlite3"  # relative: in the working directory
+
+
+def test_the_check_at_start_leaves_no_file_it_made(tmp_path: Path) -> None:
+    Ledger(str(tmp_path / "usage.sqlite3"), 90, Clock()).check()
+    assert list(tmp_path.iterdir()) == []

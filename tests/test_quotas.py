@@ -67,6 +67,32 @@ class InMemory(TestCase):
         await self.quotas.check(record(client="bob"))
         self.assertEqual(self.quotas.status()["alice"]["tokens_used"], 0)
 
+    async def test_a_slot_is_granted_only_while_the_running_requests_reservations_fit(
+        self,
+    ) -> None:
+        first, second, third = (record(client="alice", input_tokens=30) for _ in range(3))
+        for running in (first, second):
+            await self.quotas.check(running)
+            await self.quotas.check(third)  # arrived with them: let in to wait for a slot
+            await self.quotas.admit(running, 20)  # 30 in, at most 20 out: 50 reserved
+        try:
+            await self.quotas.admit(third, 20)  # 100 reserved by the two running
+        except GatewayError as e:
+            self.assertEqual((e.status, e.retry_after, e.outcome), (429, 5, "rejected_quota"))
+            self.assertIn("running requests", e.message)
+        else:
+            self.fail("a third request overran the day")
+        self.assertEqual(set(self.quotas.running["alice"]), {id(first), id(second)})
+        with self.assertRaises(GatewayError):
+            await self.quotas.check(record(client="alice"))  # nor does one arriving now wait
+        first.output_tokens = 5
+        self.quotas.add(first)  # spent 35 of its 50
+        await self.quotas.admit(third, 20)  # 35 spent and 50 reserved: 85 of 100
+        for done in (second, third):
+            self.quotas.add(done)
+        self.assertEqual(self.quotas.running, {})
+        self.assertEqual(self.quotas.status()["alice"]["tokens_used"], 35 + 50 + 50)
+
 
 class Seeded(TestCase):
     async def test_a_restart_counts_the_days_hours_from_the_ledger_as_spent_at_their_end(
@@ -92,6 +118,11 @@ class Seeded(TestCase):
         else:
             self.fail("not refused")
         self.assertEqual(store.known("carol"), 0, "only limited clients are seeded")
+        reading = Deferred.fromCoroutine(store.seed(ledger, {"alice": 100}))  # a reload
+        ledger.add(record(client="alice", input_tokens=5, output_tokens=0))
+        store.spend("alice", 5)  # finished while the ledger is read
+        await reading
+        self.assertEqual(store.known("alice"), 105, "the ledger's day, never counted twice")
 
 
 class InRedis(TestCase):

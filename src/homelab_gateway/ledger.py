@@ -98,6 +98,10 @@ def _tokens_by_hour(cursor: Any, first: int) -> list[tuple[str, int, int, int]]:
     return rows
 
 
+class LedgerError(Exception):
+    """The database cannot be written: one line, for the start to end with."""
+
+
 class Ledger:
     """The usage of every finished request on the LLM surfaces, by client, model, surface,
     hour and outcome. `start` begins the timed writes and trims; `stop` writes what is
@@ -135,6 +139,29 @@ class Ledger:
                 cp_reactor=self._reactor,
             )
         return self._connections
+
+    def check(self) -> None:
+        """Open the database and write to it (a row, rolled back) here and now, before the
+        gateway listens: one it cannot write (a read-only folder, as `/` is under systemd's
+        `ProtectSystem=strict`) is a `LedgerError` at start rather than a traceback at every
+        write while requests go uncounted. A file made for the check is removed again: the
+        first write makes it anew, and a gateway that never counts a request leaves none."""
+        if self.database == MEMORY:
+            return
+        existed = os.path.exists(self.database)
+        try:
+            connection = sqlite3.connect(self.database)
+            try:
+                _prepare(connection)
+                connection.execute("BEGIN IMMEDIATE")
+                connection.execute(UPSERT, (0, "", "", "", "", *[0] * len(SUMS)))
+                connection.rollback()
+            finally:
+                connection.close()
+        except sqlite3.Error as e:
+            raise LedgerError(f"cannot write {self.database}: {e}") from None
+        if not existed:
+            os.remove(self.database)
 
     def start(self) -> None:
         self._trimming.start(TRIM_INTERVAL, now=True)

@@ -41,7 +41,7 @@ from homelab_gateway.config import (
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.reload import config_changes
 from homelab_gateway.core.replicas import DOWN
-from homelab_gateway.ledger import MEMORY, Ledger
+from homelab_gateway.ledger import MEMORY, Ledger, LedgerError
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
@@ -283,16 +283,17 @@ class Gateway:
         self._started = True
         self.readiness.start()
         self.ledger.start()
-        self._seed_quotas(self.quotas.limits)
+        if self.ledger.database != MEMORY:  # a new database in memory has no day to read
+            self._seed_quotas(self.quotas.limits)
         self.app.status_page.start()
         if self.cluster is not None:
             self.cluster.start()
 
     def _seed_quotas(self, clients: Mapping[str, int]) -> None:
-        """A gateway alone counts only limited clients' tokens: those newly limited (at start,
-        or by a reload) get their day from the ledger."""
+        """A gateway alone counts only limited clients' tokens: at start and after every
+        reload, each one's day is the ledger's."""
         store = self.quotas.store
-        if isinstance(store, Local) and clients and self.ledger.database != MEMORY:
+        if isinstance(store, Local) and clients:
             seeded = ensureDeferred(store.seed(self.ledger, clients))
             seeded.addErrback(lambda f: log.failure("tokens_per_day: cannot read the ledger", f))
 
@@ -309,7 +310,7 @@ class Gateway:
         self.models.clear()
         self.models.update(config.models)
         limits = _quotas(config)
-        self._seed_quotas({c: n for c, n in limits.items() if c not in self.quotas.limits})
+        self._seed_quotas(limits)
         self.quotas.limits = limits
         self.app.proxy = self._proxy(config)
         self.app.messages = self._messages(config)
@@ -473,6 +474,10 @@ class GatewayService(Service):
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
         self.gateway = Gateway(self.config, self.reactor)
+        try:
+            self.gateway.ledger.check()
+        except LedgerError as e:
+            raise SystemExit(f"homelab-gateway: usage.database: {e}") from None
         # SIGHUP's default action ends the process: handle it before saying "listening". The
         # reactor leaves SIGHUP alone; it installs its own SIGTERM and SIGINT as it starts.
         self._handle(signal.SIGHUP)

@@ -26,7 +26,7 @@ from twisted.logger import Logger
 
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP
-from homelab_gateway.core.usage import counted
+from homelab_gateway.core.usage import charged, counted
 
 if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
@@ -263,7 +263,7 @@ class Telemetry:
         if record.queue_wait is not None:
             self._input_tokens += record.input_tokens or 0
             self._output_tokens += record.output_tokens or 0
-        if counted(record):
+        if counted(record) and charged(record):
             counts = (record.input_tokens, record.output_tokens, record.cached_tokens)
             for kind, count in zip(TOKEN_KINDS, counts, strict=True):
                 if count:

@@ -20,7 +20,6 @@ from homelab_gateway.core.openai import (
     error_document,
     map_openai,
     renamed,
-    usage_of,
 )
 
 MODEL = ModelConfig(name="local", upstream="vllm", upstream_model="Qwen/QwQ-32B")
@@ -89,6 +88,13 @@ def test_a_whole_answer_that_is_not_json_passes_untouched() -> None:
     relay = WholeRelay("mine", rename=False)
     assert relay.feed(b'\x00\x01"model":"x"') == b'\x00\x01"model":"x"'
     assert relay.end() == b""
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    relay = WholeRelay("mine")
+    relay.feed(body)
+    relay.end()
+    return relay.usage
 
 
 def test_the_usage_is_read_from_a_whole_answers_end() -> None:

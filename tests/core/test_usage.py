@@ -107,6 +107,11 @@ def test_by_takes_several_fields_and_lists_them_in_row_order() -> None:
     [
         (args(since="yesterday"), "since"),
         (args(until="nan"), "until"),
+        (args(since="1e19"), "since"),
+        (args(until="1e19"), "until"),
+        (args(since="-1e19"), "since"),
+        (args(since="1e300"), "since"),
+        (args(until="inf"), "until"),
         (args(since=str(NOON), until=str(NOON)), "until"),
         (args(by="client,outcome"), "by"),
         (args(by=""), "by"),
@@ -199,3 +204,12 @@ def test_grouping_keeps_every_total(given: list[Any], by: set[str]) -> None:
     )
     keys = [tuple(row[name] for name in fields) for row in rows]
     assert keys == sorted(set(keys)), "one row per group, in order"
+
+
+def test_a_request_answered_with_an_error_status_counts_with_no_tokens() -> None:
+    buckets: Buckets = {}
+    tokens = {"input_tokens": 262_145, "output_tokens": 0, "slot_seconds": 0.1}
+    fold(buckets, record(status=400, outcome="bad_request", **tokens), NOON)
+    fold(buckets, record(status=None, outcome="client_disconnected", **tokens), NOON)
+    fold(buckets, record(status=200, **tokens), NOON)
+    assert [sums[:3] for sums in buckets.values()] == [[1, 0, 0], [1, 262_145, 0], [1, 262_145, 0]]

@@ -367,3 +367,43 @@ def test_health_and_a_models_line_are_shown_where_the_gateway_says_and_names_sta
     expect(box.locator("td", has_text=trap)).to_have_count(1)  # the name, as text
     assert page.locator("img").count() == 0
     assert page.title() != "1"
+
+
+def test_the_slots_legend_is_live_and_a_rate_says_when_its_sample_was_taken(
+    gateway: str, page: Page
+) -> None:
+    """The newest sample was taken while both slots were busy; every request has finished
+    since: the legend says 0 in use, not the sample's 2. In a cluster, the days are this
+    gateway's own. The stream is held off so that only what is given here is drawn."""
+    page.route("**/status/events", lambda route: route.abort())
+    page.goto(gateway + "/status")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "reconnecting")
+    expect(page.locator("#days-note")).to_be_hidden()
+    upstream = {"slots": 2, "line": "box", "waiting": 0, "models": ["reasoning"]}
+    snapshot = {
+        "version": "9.9.9",
+        "now": 1000.0,
+        "uptime_s": 60,
+        "upstreams": {"box": {**upstream, "in_use": 0}},
+        "cluster": {"instance": "gw-1", "redis": "up"},
+        "in_flight": [],
+        "in_flight_total": 0,
+        "finished": [],
+    }
+    history = {
+        "interval": 10,
+        "size": 360,
+        "fields": ["at", "slots", "in_use", "waiting", "input_per_s", "output_per_s"],
+        "samples": [[990.0, 2, 2, 3, 40.0, 12.0]],
+    }
+    page.evaluate("([s, h]) => { render(s); receiveHistory(h); }", [snapshot, history])
+    legend = page.locator("#chart-slots .legend")
+    expect(legend).to_contain_text("in use 0 / 2")
+    expect(legend).to_contain_text("waiting 0")
+    expect(page.locator("#chart-output .legend")).to_contain_text("sample at ")
+    expect(page.locator("#chart-output .legend")).to_contain_text("12")
+    expect(page.locator("#chart-input .legend")).to_contain_text("sample at ")
+    expect(page.locator("#days-note")).to_contain_text("this gateway (gw-1) only")
+    snapshot["upstreams"] = {"box": {**upstream, "in_use": 1}}
+    page.evaluate("s => render(s)", snapshot)  # a request started: no sample since
+    expect(legend).to_contain_text("in use 1 / 2")

@@ -19,6 +19,7 @@ import orjson
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.jsonscan import TopLevelObject
 from homelab_gateway.core.mapping import (
     CHARS_PER_TOKEN,
     InvalidRequest,
@@ -38,8 +39,6 @@ PROMPTS = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 """The field that holds each surface's prompt: required, and what the wait is estimated on."""
 OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")
 DONE = b"data: [DONE]\n\n"
-USAGE_TAIL = 4096
-"""Bytes of a whole answer's end kept to read its usage from: vLLM writes `usage` last."""
 MODEL_HEAD = 1024 * 1024
 """Bytes of a whole answer held back at most while its top-level `model` is looked for. vLLM
 and Ollama write it first, so their answers pass on at once; llama.cpp writes it after the
@@ -275,22 +274,6 @@ def _top_level(data: bytes, at: int) -> bool:
         return False
 
 
-def usage_of(tail: bytes) -> dict[str, Any] | None:
-    """The `usage` object at the end of a whole answer (`tail`, its last bytes), if any."""
-    at = tail.rfind(b'"usage":')
-    while at > 0:
-        if tail[:at].rstrip()[-1:] in (b",", b"{"):
-            try:
-                usage, _ = json.JSONDecoder().raw_decode(
-                    tail[at + 8 :].decode("utf-8", "replace").lstrip()
-                )
-            except ValueError:
-                return None
-            return usage if isinstance(usage, dict) else None
-        at = tail.rfind(b'"usage":', 0, at)
-    return None
-
-
 def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
     """Of the prompt, the tokens read from the upstream's prefix cache, where its usage says
     (`prompt_tokens_details.cached_tokens`: vLLM with `--enable-prompt-tokens-details`,
@@ -305,15 +288,16 @@ class WholeRelay:
 
     The head is held back only until its top-level `model` value has arrived (at most
     `MODEL_HEAD` bytes), so an embeddings answer of many megabytes never sits in the gateway.
+    Its top-level `usage` is read wherever it stands, as the answer passes.
     """
 
     def __init__(self, name: str, *, rename: bool = True) -> None:
         self.name = name
         self._head: bytes | None = b"" if rename else None  # None: passing through
-        self._tail = b""
+        self._usage = TopLevelObject("usage")
 
     def feed(self, data: bytes) -> bytes:
-        self._tail = (self._tail + data[-USAGE_TAIL:])[-USAGE_TAIL:]
+        self._usage.feed(data)
         if self._head is None:
             return data
         head = self._head + data
@@ -333,7 +317,7 @@ class WholeRelay:
 
     @property
     def usage(self) -> dict[str, Any] | None:
-        return usage_of(self._tail)
+        return self._usage.value
 
 
 class StreamRelay:

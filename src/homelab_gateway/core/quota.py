@@ -68,6 +68,9 @@ class Tally:
             day.buckets.append([second, tokens])
         day.total += tokens
 
+    def forget(self, client: str) -> None:
+        self._clients.pop(client, None)
+
     def used(self, client: str, now: float) -> int:
         day = self._live(client, now)
         return 0 if day is None else day.total

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -52,6 +51,15 @@ def counted(record: RequestRecord) -> bool:
     return record.surface in SURFACES and record.served_model is not None
 
 
+def charged(record: RequestRecord) -> bool:
+    """Whether a finished request's tokens count (ledger, quota, metrics): only if it held a
+    slot and was not answered with an error status. One refused before a slot has only an
+    estimate of its prompt, and one the upstream (or the gateway) refused with an error
+    produced no token, whatever its prompt's size; a client that left mid-answer has no
+    status, and pays for what the upstream did."""
+    return record.slot_seconds is not None and (record.status is None or record.status < 400)
+
+
 def key_of(record: RequestRecord, at: float) -> Key | None:
     """The bucket of a request that finished at `at`; None for one the ledger leaves out."""
     if not counted(record):
@@ -62,9 +70,8 @@ def key_of(record: RequestRecord, at: float) -> Key | None:
 
 
 def sums_of(record: RequestRecord) -> list[float]:
-    """A request's sums; its tokens only if it held a slot (one refused before has only an
-    estimate of its prompt, which no answer told its client)."""
-    ran = record.slot_seconds is not None
+    """A request's sums; its tokens only where they are `charged`."""
+    ran = charged(record)
     return [
         1,
         (record.input_tokens or 0) if ran else 0,
@@ -121,6 +128,8 @@ class UsageQuery:
 
 
 PARAMETERS = ("since", "until", "client", "by", "format")
+FIRST_MOMENT = datetime.min.replace(tzinfo=UTC).timestamp()
+LAST_MOMENT = datetime.max.replace(tzinfo=UTC).timestamp()
 FORMATS = ("json", "csv")
 
 
@@ -154,14 +163,15 @@ def parse_query(args: Mapping[bytes, Sequence[bytes]]) -> UsageQuery:
 
 
 def _moment(name: str, text: str) -> float:
-    """Unix seconds, or an ISO 8601 date or date and time (UTC unless it says otherwise)."""
+    """Unix seconds, or an ISO 8601 date or date and time (UTC unless it says otherwise); in
+    the years 1 to 9999, as a date can be written (and an hour fits SQLite's integers)."""
     try:
         seconds = float(text)
     except ValueError:
         pass
     else:
-        if not math.isfinite(seconds):
-            raise InvalidQuery(name, f"must be a finite number of unix seconds, got {text!r}")
+        if not FIRST_MOMENT <= seconds <= LAST_MOMENT:  # NaN too
+            raise InvalidQuery(name, f"must be unix seconds in the years 1 to 9999, got {text!r}")
         return seconds
     try:
         moment = datetime.fromisoformat(text)

@@ -93,6 +93,8 @@ async def attempts(
             deadline=deadline,
         )
         try:  # from here on, whatever happens gives the slot back
+            if retries.quotas is not None:
+                await retries.quotas.admit(record, target.model.max_tokens)
             record.upstream = pool.upstream.name
             fields = {
                 "model": target.model.model_on(pool.upstream.name),

@@ -87,6 +87,12 @@ class AccessPolicy:
                 return name
         return None
 
+    def client_key(self, request: IRequest) -> str | None:
+        """The `[clients]` name of the key the request carries; None for an operator's key
+        (`api_keys_env`, `api_keys_file`) or none."""
+        name = self.key_name(request)
+        return name if name in self.clients else None
+
     def credential_headers(self, request: IRequest) -> frozenset[bytes]:
         """Headers no upstream may see: with keys configured, `x-api-key` always, and
         `Authorization` when it carries any gateway key (not only the one that matched)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -278,14 +279,22 @@ class GatewayApp:
 
     @app.route("/llm/v1/usage", methods=["GET", "OPTIONS"])
     async def usage(self, request: IRequest) -> bytes:
-        """Who used what (`ledger.Ledger`), grouped as asked, as JSON or CSV."""
-        stop = self._light(request, protected=self.access.protect_metrics)
+        """Who used what (`ledger.Ledger`), grouped as asked, as JSON or CSV. Wherever keys
+        exist it takes one: a `[clients]` key reads its own client's rows only, an operator's
+        key every client's."""
+        stop = self._light(request, protected=True)
         if stop is not None:
             return stop
         try:
             query = parse_query(request.args)
         except InvalidQuery as e:
             return send_error(request, GatewayError(400, str(e), param=e.param))
+        own = self.access.client_key(request)
+        if own is not None and query.client not in (None, own):
+            message = f"client: the key of client {own} reads only its own usage"
+            return send_error(request, GatewayError(403, message, param="client"))
+        if own is not None:
+            query = replace(query, client=own)
         rows = await self.ledger.rows(query)
         if query.format == "csv":
             request.setResponseCode(200)

@@ -185,11 +185,18 @@ function render(snapshot) {
       (cluster.redis === "up" ? "" : ` (${cluster.last_error || "unreachable"})`);
     $("cluster").dataset.state = cluster.redis;
   }
+  // Each gateway keeps its own ledger: the days (and /llm/v1/usage) are this one's requests.
+  $("days-note").hidden = !cluster;
+  $("days-note").textContent = cluster
+    ? `Requests through this gateway (${cluster.instance}) only: each gateway of the cluster ` +
+      "keeps its own usage ledger." : "";
   $("upstreams").replaceChildren(
     ...Object.entries(snapshot.upstreams || {}).map(([name, entry]) => upstreamCard(name, entry)));
   const models = snapshot.models;
   $("model-section").hidden = !models || !Object.keys(models).length;
   if (models) $("models").replaceChildren(...Object.entries(models).map(([n, e]) => modelCard(n, e)));
+  live = liveCounts(snapshot.upstreams);
+  slotsLegend();
   renderClients(snapshot.clients);
   renderInFlight(snapshot.in_flight || [], snapshot.in_flight_total || 0);
   renderFinished(snapshot.finished || [], snapshot.now);
@@ -207,6 +214,27 @@ const DAYS_PLOT = { width: 960, height: 180, left: 48, right: 10, top: 8, bottom
 const compact = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
 const hours = { interval: 10, size: 360, samples: [], fields: null };
 let lastUsage = null;
+let live = null; // slots, in use and waiting as the newest snapshot says: the slots legend
+
+function liveCounts(upstreams) {
+  // As a sample counts them: every upstream's slots and those in use, each line's waiters once.
+  const entries = Object.values(upstreams || {});
+  const lines = new Map(entries.map((e) => [e.line, e.waiting || 0]));
+  return {
+    slots: entries.reduce((sum, e) => sum + (e.slots || 0), 0),
+    in_use: entries.reduce((sum, e) => sum + (e.in_use || 0), 0),
+    waiting: [...lines.values()].reduce((sum, n) => sum + n, 0),
+  };
+}
+
+function slotsLegend() {
+  // Live, not the newest sample's: a sample may be minutes old, taken while slots were busy.
+  const now = live || { slots: 0, in_use: 0, waiting: 0 };
+  legend($("chart-slots"), [
+    ["in-use", "in use", `${now.in_use} / ${now.slots}`], ["waiting", "waiting", now.waiting],
+    ["slots", "slots", now.slots],
+  ]);
+}
 
 function sized(svg, plot) {
   // The plot as wide as the SVG is drawn, so that its text is the page's size at any width.
@@ -308,14 +336,13 @@ function drawHistory() {
   for (const id of ["chart-slots", "chart-output", "chart-input"]) {
     $(id).querySelector("svg").dataset.newest = newest ? newest.at : ""; // where x = 0 is
   }
-  const now = newest || { slots: 0, in_use: 0, waiting: 0, output_per_s: 0, input_per_s: 0 };
-  legend($("chart-slots"), [
-    ["in-use", "in use", `${now.in_use} / ${now.slots}`], ["waiting", "waiting", now.waiting],
-    ["slots", "slots", now.slots],
-  ]);
+  slotsLegend();
+  // A rate is a sample's alone: say when it was taken.
+  const last = newest ? `sample at ${when(newest.at)}` : "no sample yet";
+  const rate = (field) => compact.format(newest ? newest[field] : 0);
   const peak = (field) => compact.format(Math.max(0, ...shown.map((s) => s[field])));
-  legend($("chart-output"), [["output", "now", compact.format(now.output_per_s)], ["output", "peak", peak("output_per_s")]]);
-  legend($("chart-input"), [["input", "now", compact.format(now.input_per_s)], ["input", "peak", peak("input_per_s")]]);
+  legend($("chart-output"), [["output", last, rate("output_per_s")], ["output", "peak", peak("output_per_s")]]);
+  legend($("chart-input"), [["input", last, rate("input_per_s")], ["input", "peak", peak("input_per_s")]]);
 }
 
 function receiveHistory(ring) {
