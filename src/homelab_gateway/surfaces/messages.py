@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,10 +25,11 @@ from homelab_gateway.core.errors import (
     ContextOverflow,
     GatewayError,
     context_overflow,
+    error_event,
     upstream_http_error,
 )
+from homelab_gateway.core.fields import InvalidRequest
 from homelab_gateway.core.mapping import (
-    InvalidRequest,
     MappedRequest,
     PackedRequest,
     find_model,
@@ -40,6 +40,7 @@ from homelab_gateway.core.mapping import (
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP, session_key
 from homelab_gateway.core.sse import encode_event
+from homelab_gateway.core.text import finite_float, refuse_constant
 from homelab_gateway.core.translator import (
     Event,
     IncompleteMessage,
@@ -47,8 +48,6 @@ from homelab_gateway.core.translator import (
     Phase,
     StreamTranslator,
     UpstreamDecoder,
-    error_event,
-    refuse_constant,
 )
 from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
@@ -198,14 +197,6 @@ class EventStream:
 
 class _TranslationOver(Exception):
     """The translator failed the stream: stop reading the upstream and close it at once."""
-
-
-def finite_float(text: str) -> float:
-    """`1e400` is valid JSON but overflows to infinity, which would go upstream as `Infinity`."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
 
 
 class Messages:

@@ -26,7 +26,8 @@ from homelab_gateway.core.errors import (
     upstream_http_error,
     upstream_message,
 )
-from homelab_gateway.core.mapping import InvalidRequest, find_model, request_model
+from homelab_gateway.core.fields import InvalidRequest
+from homelab_gateway.core.mapping import find_model, request_model
 from homelab_gateway.core.openai import (
     PATHS,
     PROMPTS,
@@ -41,7 +42,7 @@ from homelab_gateway.core.openai import (
 )
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import session_key
-from homelab_gateway.core.translator import refuse_constant
+from homelab_gateway.core.text import finite_float, refuse_constant
 from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.attempts import Target, answerable, attempts
@@ -49,7 +50,6 @@ from homelab_gateway.surfaces.messages import (
     OPENAI_QUEUE,
     EventStream,
     Messages,
-    finite_float,
 )
 from homelab_gateway.upstream.client import AnswerComplete, Backpressure, UpstreamBroken
 from homelab_gateway.web.respond import send_error

@@ -14,7 +14,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.core.mapping import InvalidRequest
+from homelab_gateway.core.fields import InvalidRequest
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import session_key
 from homelab_gateway.core.response_stream import ResponseStream, new_response_id
