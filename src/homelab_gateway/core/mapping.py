@@ -114,10 +114,10 @@ def tokenize_request(body: Mapping[str, Any]) -> bytes:
 def request_model(body: Any) -> str:
     """The client's model name, checked first so an unknown model can be a 404."""
     if not isinstance(body, Mapping):
-        raise InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}")
+        raise InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}", "model")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest(f"model: must be a non-empty string, got {kind_of(model)}")
+        raise InvalidRequest(f"model: must be a non-empty string, got {kind_of(model)}", "model")
     return model
 
 

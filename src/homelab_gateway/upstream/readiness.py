@@ -23,7 +23,7 @@ from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.replicas import DOWN
 
 if TYPE_CHECKING:
-    from homelab_gateway.surfaces.messages import Pool
+    from homelab_gateway.line.pool import Pool
 
 MODELS_BODY_LIMIT = 256 * 1024  # Ollama lists every pulled model
 
