@@ -260,6 +260,23 @@ class RefusalsBeforeAnyRoute(LLMSurface):
         self.assertEqual(self.stub.stats.requests, 0)
 
     @async_test
+    async def test_each_path_of_the_table_is_routed_to_its_surface(self) -> None:
+        """A GET reaches the surface (its 405 says to POST), in the row's shape, and the
+        request is counted under the row's name."""
+        for row in SURFACES:
+            for path in row.paths:
+                response = raw_request(self.port, "GET", path.decode())
+                await response.closed
+                self.assertEqual(response.status, 405, path)
+                self.assertEqual(response.header("allow"), "POST", path)
+                assert_shape(self, 405, response.body_text().encode(), row.shape, path.decode())
+        metrics = raw_request(self.port, "GET", "/metrics")
+        await metrics.closed
+        text = metrics.body_text()
+        for row in SURFACES:
+            self.assertIn(f'surface="{row.name}"', text, row.name)
+
+    @async_test
     async def test_a_header_over_the_limit_is_a_431_in_each_surfaces_shape(self) -> None:
         for row in SURFACES:
             for path in row.paths:
