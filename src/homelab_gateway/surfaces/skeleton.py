@@ -116,6 +116,7 @@ class Surface:
         raise NotImplementedError
 
     def event_stream(self, request: IRequest, mapped: Any) -> EventStream:
+        """The stream the answer is written to: its queue frame, opening event, keep-alive."""
         raise NotImplementedError
 
     def on_position(self, stream: EventStream, mapped: Any) -> PositionListener:
