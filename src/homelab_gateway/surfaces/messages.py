@@ -22,7 +22,7 @@ from homelab_gateway.line.limiter import Slot
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.attempts import Target, attempts
 from homelab_gateway.surfaces.stream import EventStream
-from homelab_gateway.surfaces.translated import TranslatedSurface
+from homelab_gateway.surfaces.translated import TranslatedSurface, continuous_usage_stats
 from homelab_gateway.web.respond import send_error, send_json
 
 CLAUDE_SESSION_HEADER = b"x-claude-code-session-id"
@@ -38,7 +38,7 @@ class Messages(TranslatedSurface):
         mapped = map_request(
             body,
             model,
-            continuous_usage_stats=all(p.continuous_usage_stats for p in pools),
+            continuous_usage_stats=continuous_usage_stats(pools),
             count_only=self.count_only,
         )
         return mapped.packed(), mapped.body.get("user")

@@ -24,7 +24,7 @@ from homelab_gateway.line.limiter import PositionListener, Slot
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.surfaces.attempts import Target, attempts
 from homelab_gateway.surfaces.stream import EventStream
-from homelab_gateway.surfaces.translated import TranslatedSurface
+from homelab_gateway.surfaces.translated import TranslatedSurface, continuous_usage_stats
 
 PING_COMMENT = b": ping\n\n"
 """A silent stream's keep-alive: a comment, which every SSE parser skips (an `event:` line
@@ -40,9 +40,7 @@ class ResponsesSurface(TranslatedSurface):
     def map(
         self, body: Any, model: ModelConfig, pools: tuple[Pool, ...]
     ) -> tuple[ResponseStream, str | None]:
-        mapped = map_responses(
-            body, model, continuous_usage_stats=all(p.continuous_usage_stats for p in pools)
-        )
+        mapped = map_responses(body, model, continuous_usage_stats=continuous_usage_stats(pools))
         response = ResponseStream(
             mapped, response_id=new_response_id(), now=self.settings.clock.seconds
         )

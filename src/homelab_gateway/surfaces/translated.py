@@ -27,6 +27,12 @@ million-token prompt, where the 64 KiB error-body limit would cut a long prompt'
 short and fall back to the estimate."""
 
 
+def continuous_usage_stats(pools: tuple[Pool, ...]) -> bool:
+    """Whether every replica a request may go to takes vLLM's `continuous_usage_stats` (usage
+    in each chunk, the status page's live count)."""
+    return all(pool.continuous_usage_stats for pool in pools)
+
+
 class _TranslationOver(Exception):
     """The translator failed the stream: stop reading the upstream and close it at once."""
 
