@@ -30,8 +30,8 @@ from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.response_stream import ResponseStream
 from homelab_gateway.core.responses import map_responses
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
-from homelab_gateway.surfaces.messages import EventStream
 from homelab_gateway.surfaces.responses import PING_COMMENT
+from homelab_gateway.surfaces.stream import EventStream
 
 MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/Qwen3-32B")
 

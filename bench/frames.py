@@ -31,7 +31,7 @@ from typing import Any
 from twisted.internet.task import Clock
 
 from homelab_gateway.line.limiter import PositionedSemaphore, Slot
-from homelab_gateway.surfaces.messages import ESTIMATED_QUEUE_FRAME, QUEUE_FRAME
+from homelab_gateway.surfaces.stream import ESTIMATED_QUEUE_FRAME, QUEUE_FRAME
 
 
 def run(report_interval: float | None, clients: int, n: int = 5000, hold: float = 0.01) -> Any:

@@ -47,10 +47,9 @@ from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.line.shared import shared_line
 from homelab_gateway.quotas import Local, Quotas, Shared
-from homelab_gateway.surfaces.messages import Messages
-from homelab_gateway.surfaces.openai import OpenAISurface
+from homelab_gateway.surfaces.attempts import Retries
 from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
-from homelab_gateway.surfaces.responses import ResponsesSurface
+from homelab_gateway.surfaces.skeleton import SurfaceSettings
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.client import EndpointPerHost, RawHTTP, Upstream, llm_http
 from homelab_gateway.upstream.connections import UpstreamPool
@@ -109,7 +108,7 @@ class Gateway:
             models=self.models,
             pools=self.pools,
             proxy=self._proxy(config),
-            messages=self._messages(config),
+            settings=self._surface_settings(config),
             access=self._access(config),
             inflight=self.inflight,
             telemetry=self.telemetry,
@@ -219,17 +218,17 @@ class Gateway:
             routes.append(ProxyRoute(prefix=route.prefix.encode(), upstream=client, pool=pool))
         return ReverseProxy(routes, self.reactor, config.server.write_stall_timeout)
 
-    def _messages(self, config: Config) -> Messages:
-        return Messages(
+    def _surface_settings(self, config: Config) -> SurfaceSettings:
+        return SurfaceSettings(
             models=self.models,
             pools=self.pools,
             clock=self.reactor,
             ping_interval=config.server.ping_interval,
             write_stall_timeout=config.server.write_stall_timeout,
+            retries=Retries(
+                self.reactor, config.server.retries, self.telemetry.retried, self.quotas
+            ),
             upstream_window=self.readiness.context_window,
-            retries=config.server.retries,
-            on_retry=self.telemetry.retried,
-            quotas=self.quotas,
         )
 
     def _access(self, config: Config) -> AccessPolicy:
@@ -313,9 +312,7 @@ class Gateway:
         self._seed_quotas(limits)
         self.quotas.limits = limits
         self.app.proxy = self._proxy(config)
-        self.app.messages = self._messages(config)
-        self.app.openai = OpenAISurface(self.app.messages)
-        self.app.responses = ResponsesSurface(self.app.messages)
+        self.app.use(self._surface_settings(config))
         self.app.access = self._access(config)
         self.telemetry.clients = frozenset(config.clients)
         self.site.limits = self._limits(config)

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from homelab_gateway.config import ConfigError, ModelConfig, parse_config
-from homelab_gateway.core.mapping import InvalidRequest, find_model, map_request
+from homelab_gateway.core.fields import InvalidRequest
+from homelab_gateway.core.mapping import find_model, map_request
 
 MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/QwQ-32B")
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.core.mapping import InvalidRequest
+from homelab_gateway.core.fields import InvalidRequest
 from homelab_gateway.core.openai import (
     StreamRelay,
     WholeRelay,
@@ -306,6 +306,36 @@ def test_the_models_cap_lowers_only_what_the_client_asked_past_it() -> None:
     )
     assert "max_tokens" not in sent(mapped("completions", {"prompt": "x"}, capped))  # vLLM's 16
     assert sent(mapped("completions", {"prompt": "x", "max_tokens": 5}, capped))["max_tokens"] == 5
+
+
+def test_a_null_limit_gets_the_models_cap_on_completions_as_on_chat() -> None:
+    capped = ModelConfig(name="local", upstream="vllm", upstream_model="m", max_tokens=100)
+    completion = {"prompt": "x", "max_tokens": None}
+    assert sent(mapped("completions", completion, capped))["max_tokens"] == 100
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None}
+    assert sent(mapped("chat", chat, capped))["max_tokens"] == 100
+    # No cap configured: null stays the client's "to the end of the window", as on chat.
+    assert sent(mapped("completions", completion))["max_tokens"] is None
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+@pytest.mark.parametrize("n", [2, 64, 0, "2", 1.5])
+def test_more_than_one_choice_is_refused_naming_n(kind: str, n: Any) -> None:
+    prompt = (
+        {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "x"}
+    )
+    with pytest.raises(InvalidRequest) as caught:
+        mapped(kind, {**prompt, "n": n})
+    assert caught.value.param == "n"
+    assert str(caught.value).startswith("n:")
+
+
+def test_one_choice_is_taken_as_asked() -> None:
+    assert sent(mapped("completions", {"prompt": "x", "n": 1}))["n"] == 1
+    mapped("chat", {"messages": [{"role": "user", "content": "hi"}], "n": None})
+    with_params = ModelConfig(name="local", upstream="vllm", upstream_model="m", params={"n": 4})
+    with pytest.raises(InvalidRequest):
+        mapped("completions", {"prompt": "x"}, with_params)
 
 
 @pytest.mark.parametrize(

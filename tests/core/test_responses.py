@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.core.mapping import InvalidRequest
+from homelab_gateway.core.fields import InvalidRequest
 from homelab_gateway.core.response_stream import ResponseStream
-from homelab_gateway.core.responses import INPUT_SCHEMA, Offered, ResponsesRequest, map_responses
+from homelab_gateway.core.response_tools import INPUT_SCHEMA, Offered
+from homelab_gateway.core.responses import ResponsesRequest, map_responses
 from homelab_gateway.core.sse import encode_event
 from homelab_gateway.core.translator import StreamTranslator, UpstreamDecoder
 from tests.core.test_translator import chunk, chunks, tool_args, tool_head, upstream_frames

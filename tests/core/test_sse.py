@@ -114,7 +114,7 @@ def test_garbage_never_raises_and_splitting_changes_nothing(
 
 
 def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
-    from homelab_gateway.surfaces.messages import QUEUE_FRAME
+    from homelab_gateway.surfaces.stream import QUEUE_FRAME
 
     for position in (1, 7, 12345):
         assert QUEUE_FRAME % position == encode_event({"type": "queue", "position": position})
@@ -124,7 +124,7 @@ def test_the_queue_frame_template_is_what_encode_event_writes() -> None:
 def test_the_estimated_queue_frame_template_is_what_encode_event_writes(
     position: int, estimate: float
 ) -> None:
-    from homelab_gateway.surfaces.messages import ESTIMATED_QUEUE_FRAME
+    from homelab_gateway.surfaces.stream import ESTIMATED_QUEUE_FRAME
 
     frame = {"type": "queue", "position": position, "estimated_wait_s": round(estimate, 1)}
     assert ESTIMATED_QUEUE_FRAME % (position, estimate) == encode_event(frame)

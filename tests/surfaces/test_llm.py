@@ -360,7 +360,7 @@ class UnexpectedErrors(LLMSurface):
         def broken(*args: Any) -> Any:
             raise RuntimeError("a bug")
 
-        self.patch(app.messages, "count_request", broken)
+        self.patch(app.surfaces["count_tokens"], "resolve", broken)
         path = "/llm/v1/messages/count_tokens"
         self.assertIn("the gateway failed", await self.error(chat(), 500, "api_error", path=path))
         self.assertEqual(await self.outcome(), "internal_error")
@@ -410,7 +410,10 @@ class AsKleinWroteIt(LLMSurface):
         @before.route("/llm/v1/messages")
         def messages(request: Any) -> Any:  # the route as it was: Klein writes the answer
             return app._work(
-                request, "messages", lambda r: app.messages.answer(request, r), shape="anthropic"
+                request,
+                "messages",
+                lambda r: app.surfaces["messages"].answer(request, r),
+                shape="anthropic",
             )
 
         site = GatewaySite(before.resource(), gateway.site.limits, reactor=reactor)
@@ -463,7 +466,7 @@ class AsKleinWroteIt(LLMSurface):
         async def broken(request: Any, record: Any) -> None:
             raise RuntimeError("a bug")
 
-        self.servers.gateway.app.messages.answer = broken  # type: ignore[method-assign]
+        self.servers.gateway.app.surfaces["messages"].answer = broken  # type: ignore[method-assign]
         now, before = await self.both("POST", chat())
         self.same(now, before)
         self.assertEqual(now.status, 500)
@@ -474,7 +477,7 @@ class AsKleinWroteIt(LLMSurface):
         async def stuck(request: Any, record: Any) -> None:
             await Deferred()  # never answers, and lets the cancel through
 
-        self.servers.gateway.app.messages.answer = stuck  # type: ignore[method-assign]
+        self.servers.gateway.app.surfaces["messages"].answer = stuck  # type: ignore[method-assign]
         now = raw_request(self.port, "POST", "/llm/v1/messages", chat())
         before = raw_request(self.before_port, "POST", "/llm/v1/messages", chat())
         inflight = self.servers.gateway.inflight
@@ -497,7 +500,7 @@ class AsKleinWroteIt(LLMSurface):
                 cancelled.append(record.outcome)
                 raise
 
-        self.servers.gateway.app.messages.answer = stuck  # type: ignore[method-assign]
+        self.servers.gateway.app.surfaces["messages"].answer = stuck  # type: ignore[method-assign]
         inflight = self.servers.gateway.inflight
         for port in (self.port, self.before_port):
             response = raw_request(port, "POST", "/llm/v1/messages", chat())

@@ -18,6 +18,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyChannel
 
+from homelab_gateway.core.surfaces import SURFACES, Shape
 from homelab_gateway.telemetry import loggable
 from homelab_gateway.web.channel import GatewayRequest, GatewaySite, WireLimits
 from tests.surfaces.test_llm import LLMSurface
@@ -229,6 +230,64 @@ class Refusals(LLMSurface):
         self.assertTrue(response.header("request-id").startswith("req_"))
 
 
+def assert_shape(test: TestCase, status: int, body: bytes, shape: Shape, path: str) -> None:
+    """`body` is an error in `shape`: Anthropic's (`type` "error"), OpenAI's (`param` beside
+    the message), or the gateway's plain one (`code` the status)."""
+    document = json.loads(body)
+    if shape == "anthropic":
+        test.assertEqual(document["type"], "error", path)
+    elif shape == "openai":
+        test.assertNotIn("type", document, path)
+        test.assertIn("param", document["error"], path)
+    else:
+        test.assertEqual(document["error"]["code"], status, path)
+
+
+class RefusalsBeforeAnyRoute(LLMSurface):
+    """What the channel refuses before a route is chosen comes in the shape of the surface
+    the path belongs to: every path of every surface in the table."""
+
+    @async_test
+    async def test_a_body_over_the_limit_is_a_413_in_each_surfaces_shape(self) -> None:
+        site = self.servers.gateway.site
+        site.limits = WireLimits(max_body_bytes=1000, max_header_bytes=16384, request_timeout=60)
+        for row in SURFACES:
+            for path in row.paths:
+                response = raw_request(self.port, "POST", path.decode(), b"x" * 2000)
+                await response.closed
+                self.assertEqual(response.status, 413, path)
+                assert_shape(self, 413, response.body_text().encode(), row.shape, path.decode())
+        self.assertEqual(self.stub.stats.requests, 0)
+
+    @async_test
+    async def test_each_path_of_the_table_is_routed_to_its_surface(self) -> None:
+        """A GET reaches the surface (its 405 says to POST), in the row's shape, and the
+        request is counted under the row's name."""
+        for row in SURFACES:
+            for path in row.paths:
+                response = raw_request(self.port, "GET", path.decode())
+                await response.closed
+                self.assertEqual(response.status, 405, path)
+                self.assertEqual(response.header("allow"), "POST", path)
+                assert_shape(self, 405, response.body_text().encode(), row.shape, path.decode())
+        metrics = raw_request(self.port, "GET", "/metrics")
+        await metrics.closed
+        text = metrics.body_text()
+        for row in SURFACES:
+            self.assertIn(f'surface="{row.name}"', text, row.name)
+
+    @async_test
+    async def test_a_header_over_the_limit_is_a_431_in_each_surfaces_shape(self) -> None:
+        for row in SURFACES:
+            for path in row.paths:
+                response = raw_request(
+                    self.port, "POST", path.decode(), {}, {"X-Big": "y" * 20_000}
+                )
+                await response.closed
+                self.assertEqual(response.status, 431, path)
+                assert_shape(self, 431, response.body_text().encode(), row.shape, path.decode())
+
+
 class Forms(TestCase):
     def test_a_form_post_is_not_parsed_into_args(self) -> None:
         """No route reads `request.args` from a body: Twisted's form parsing (the email
@@ -263,3 +322,20 @@ class IdleTimers(TestCase):
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 408 "))
         self.assertTrue(transport.disconnecting)
         channel.connectionLost(Failure(ConnectionDone()))
+
+    def test_a_request_too_slow_is_a_408_in_each_surfaces_shape(self) -> None:
+        clock = MemoryReactorClock()
+        limits = WireLimits(max_body_bytes=1000, max_header_bytes=16384, request_timeout=5)
+        site = GatewaySite(Resource(), limits, reactor=clock)
+        for row in SURFACES:
+            for path in row.paths:
+                channel = site.buildProtocol(None)
+                transport = StringTransport()
+                channel.makeConnection(transport)
+                channel.dataReceived(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n")
+                clock.advance(6)
+                answer = transport.value()
+                self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), path)
+                body = answer.partition(b"\r\n\r\n")[2]
+                assert_shape(self, 408, body, row.shape, path.decode())
+                channel.connectionLost(Failure(ConnectionDone()))

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from homelab_gateway.core.translator import error_event, replace_lone_surrogates
+from homelab_gateway.core.text import replace_lone_surrogates
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -43,6 +43,11 @@ OPENAI_TYPES = {
 WAIT_REFUSED = frozenset({"rejected_queue_full", "rejected_client_queue_full", "queue_timeout"})
 """The outcomes that mean "the line is too long for you now": a 529 on Anthropic's surface,
 and OpenAI's 429, which its SDKs retry after `retry-after`."""
+
+
+def error_event(error_type: str, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape: an answer's body, and the event of a stream that failed."""
+    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 class GatewayError(Exception):

@@ -8,8 +8,6 @@ are ignored rather than rejected: Claude Code and the SDKs send more than the do
 
 from __future__ import annotations
 
-import base64
-import binascii
 import fnmatch
 import json
 from collections.abc import Mapping, Sequence
@@ -19,7 +17,19 @@ from typing import Any
 import orjson
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.core.translator import LONE_SURROGATE, replace_lone_surrogates
+from homelab_gateway.core.fields import (
+    InvalidRequest,
+    cap_output,
+    check_base64,
+    image_part,
+    is_int,
+    is_number,
+    kind_of,
+    string,
+    typed,
+    usage_options,
+)
+from homelab_gateway.core.text import LONE_SURROGATE, replace_lone_surrogates
 
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -32,15 +42,6 @@ CHARS_PER_TOKEN = 4  # the estimate used where the upstream cannot count tokens 
 # and the block goes if nothing follows; any other text is untouched.
 BILLING_HEADER = "x-anthropic-billing-header"
 PER_ATTEMPT = ("model", "priority")  # fields each attempt sets for the replica it goes to
-
-
-class InvalidRequest(Exception):
-    """A client mistake, answered as 400 invalid_request_error with this text; `param` names
-    the field for the surfaces whose errors carry it apart (OpenAI's)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +106,10 @@ def dumps(document: Any) -> bytes:
 def request_model(body: Any) -> str:
     """The client's model name, checked first so an unknown model can be a 404."""
     if not isinstance(body, Mapping):
-        raise InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}")
+        raise InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}", "model")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest(f"model: must be a non-empty string, got {kind_of(model)}")
+        raise InvalidRequest(f"model: must be a non-empty string, got {kind_of(model)}", "model")
     return model
 
 
@@ -166,15 +167,14 @@ def map_request(
     if max_tokens is not None or not count_only:
         if not is_int(max_tokens) or max_tokens < 1:
             raise InvalidRequest(f"max_tokens: must be an integer >= 1, got {kind_of(max_tokens)}")
-        out["max_tokens"] = min(max_tokens, model.max_tokens or max_tokens)
+        out["max_tokens"] = max_tokens
+        cap_output(out, model.max_tokens, absent_is_unbounded=False)
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest(f"stream: must be a boolean, got {kind_of(stream)}")
     out["stream"] = True  # always: one translation path, and idle/cancel work mid-generation
-    out["stream_options"] = {"include_usage": True}
-    if continuous_usage_stats:
-        out["stream_options"]["continuous_usage_stats"] = True
+    out["stream_options"] = usage_options(continuous_usage_stats)
 
     for name in ("temperature", "top_p"):
         value = body.get(name)
@@ -259,12 +259,12 @@ def _assistant(blocks: list[Any], where: str, out: list[dict[str, Any]]) -> set[
     text: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
-        kind = _block_type(block, f"{where}.{j}")
+        kind = typed(block, f"{where}.{j}")
         if kind == "text":
-            text.append(_string(block, "text", f"{where}.{j}"))
+            text.append(string(block, "text", f"{where}.{j}"))
         elif kind == "tool_use":
-            call_id = _string(block, "id", f"{where}.{j}", nonempty=True)
-            name = _string(block, "name", f"{where}.{j}", nonempty=True)
+            call_id = string(block, "id", f"{where}.{j}", nonempty=True)
+            name = string(block, "name", f"{where}.{j}", nonempty=True)
             arguments = block.get("input", {})
             if not isinstance(arguments, Mapping):
                 raise InvalidRequest(
@@ -294,13 +294,13 @@ def _user(blocks: list[Any], where: str, tool_ids: set[str], out: list[dict[str,
     parts: list[dict[str, Any]] = []
     tool_images: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
-        kind = _block_type(block, f"{where}.{j}")
+        kind = typed(block, f"{where}.{j}")
         if kind == "text":
-            parts.append({"type": "text", "text": _string(block, "text", f"{where}.{j}")})
+            parts.append({"type": "text", "text": string(block, "text", f"{where}.{j}")})
         elif kind == "image":
             parts.append(_image(block, f"{where}.{j}"))
         elif kind == "tool_result":
-            tool_id = _string(block, "tool_use_id", f"{where}.{j}", nonempty=True)
+            tool_id = string(block, "tool_use_id", f"{where}.{j}", nonempty=True)
             if tool_id not in tool_ids:
                 raise InvalidRequest(
                     f"{where}.{j}.tool_use_id: {tool_id!r} answers no tool_use in the "
@@ -329,9 +329,9 @@ def _tool_result_content(content: Any, where: str) -> tuple[str, list[dict[str, 
     text: list[str] = []
     images: list[dict[str, Any]] = []
     for k, block in enumerate(content):
-        kind = _block_type(block, f"{where}.{k}")
+        kind = typed(block, f"{where}.{k}")
         if kind == "text":
-            text.append(_string(block, "text", f"{where}.{k}"))
+            text.append(string(block, "text", f"{where}.{k}"))
         elif kind == "image":
             images.append(_image(block, f"{where}.{k}"))
         else:
@@ -345,22 +345,19 @@ def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise InvalidRequest(f"{where}.source: must be an object, got {kind_of(source)}")
     kind = source.get("type")
     if kind == "url":
-        url = _string(source, "url", f"{where}.source", nonempty=True)
+        url = string(source, "url", f"{where}.source", nonempty=True)
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"{where}.source.url: must be an http(s) URL")
-        return {"type": "image_url", "image_url": {"url": url}}
+        return image_part(url)
     if kind != "base64":
         raise InvalidRequest(f"{where}.source.type: must be 'base64' or 'url', got {kind_of(kind)}")
     media_type = source.get("media_type")
     if media_type not in IMAGE_MEDIA_TYPES:
         allowed = ", ".join(sorted(IMAGE_MEDIA_TYPES))
         raise InvalidRequest(f"{where}.source.media_type: must be one of {allowed}")
-    data = _string(source, "data", f"{where}.source", nonempty=True)
-    try:
-        base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(f"{where}.source.data: is not valid base64") from None
-    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    data = string(source, "data", f"{where}.source", nonempty=True)
+    check_base64(data, f"{where}.source.data")
+    return image_part(f"data:{media_type};base64,{data}")
 
 
 def _system_text(system: Any, where: str, *, strip: bool) -> str | None:
@@ -371,10 +368,10 @@ def _system_text(system: Any, where: str, *, strip: bool) -> str | None:
     texts = []
     dropped = False
     for j, block in enumerate(blocks):
-        kind = _block_type(block, f"{where}.{j}")
+        kind = typed(block, f"{where}.{j}")
         if kind != "text":
             raise InvalidRequest(f"{where}.{j}.type: must be 'text', got {kind!r}")
-        text = _string(block, "text", f"{where}.{j}")
+        text = string(block, "text", f"{where}.{j}")
         if strip and text.startswith(BILLING_HEADER):
             text = text.partition("\n")[2]
             if not text:
@@ -398,14 +395,14 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                 f"{where}.type: server tool {kind!r} is not supported by this gateway; "
                 "only client tools with an input_schema are"
             )
-        name = _string(tool, "name", where, nonempty=True)
+        name = string(tool, "name", where, nonempty=True)
         schema = tool.get("input_schema")
         if not isinstance(schema, Mapping):
             raise InvalidRequest(f"{where}.input_schema: must be an object, got {kind_of(schema)}")
         function: dict[str, Any] = {"name": name, "parameters": dict(schema)}
         description = tool.get("description")
         if description is not None:
-            function["description"] = _string(tool, "description", where)
+            function["description"] = string(tool, "description", where)
         out.append({"type": "function", "function": function})
     return out
 
@@ -415,7 +412,7 @@ def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
         raise InvalidRequest(f"tool_choice: must be an object, got {kind_of(choice)}")
     kind = choice.get("type")
     if kind == "tool":
-        name = _string(choice, "name", "tool_choice", nonempty=True)
+        name = string(choice, "name", "tool_choice", nonempty=True)
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
     elif kind in TOOL_CHOICES:
         out["tool_choice"] = TOOL_CHOICES[kind]
@@ -513,49 +510,8 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _block_type(block: Any, where: str) -> str:
-    if not isinstance(block, Mapping):
-        raise InvalidRequest(f"{where}: must be an object, got {kind_of(block)}")
-    kind = block.get("type")
-    if not isinstance(kind, str):
-        raise InvalidRequest(f"{where}.type: must be a string, got {kind_of(kind)}")
-    return kind
-
-
 def _unsupported_block(kind: str, where: str, role: str) -> InvalidRequest:
     return InvalidRequest(f"{where}.type: block type {kind!r} is not supported in a {role} message")
-
-
-def _string(block: Mapping[str, Any], key: str, where: str, *, nonempty: bool = False) -> str:
-    value = block.get(key)
-    if not isinstance(value, str) or (nonempty and not value):
-        wanted = "a non-empty string" if nonempty else "a string"
-        raise InvalidRequest(f"{where}.{key}: must be {wanted}, got {kind_of(value)}")
-    return value
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
-
-
-def kind_of(value: Any) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return repr(value[:40])
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "an object"
-    return type(value).__name__
 
 
 def merge(defaults: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:

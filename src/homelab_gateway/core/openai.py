@@ -19,31 +19,35 @@ import orjson
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.fields import (
+    OUTPUT_LIMITS,
+    InvalidRequest,
+    cap_output,
+    check_one_choice,
+    is_int,
+    kind_of,
+)
 from homelab_gateway.core.jsonscan import TopLevelObject
 from homelab_gateway.core.mapping import (
     CHARS_PER_TOKEN,
-    InvalidRequest,
     MappedRequest,
     PackedRequest,
-    is_int,
-    kind_of,
     merge,
     request_model,
 )
 from homelab_gateway.core.sse import EventTooLarge, SSEParser
-from homelab_gateway.core.translator import replace_lone_surrogates
+from homelab_gateway.core.text import replace_lone_surrogates
 
 PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 """Each surface's upstream path, below the upstream's base URL (which ends in /v1)."""
 PROMPTS = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 """The field that holds each surface's prompt: required, and what the wait is estimated on."""
-OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")
 DONE = b"data: [DONE]\n\n"
 MODEL_HEAD = 1024 * 1024
 """Bytes of a whole answer held back at most while its top-level `model` is looked for. vLLM
 and Ollama write it first, so their answers pass on at once; llama.cpp writes it after the
 choices. A body that has none by then passes on as it is."""
-PLAIN_EVENT = re.compile(rb"data: ([^\r\n]*)\n\n")
+DATA_EVENT = re.compile(rb"data: ([^\r\n]*)\n\n")
 """One whole event as vLLM, llama.cpp and Ollama write every chunk: one `data:` line."""
 _LAYOUTS = {
     b'"model":': (
@@ -89,7 +93,7 @@ class OpenAIRequest:
 def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
     """Check `body` for surface `kind` and build the upstream request for `model`; raise
     InvalidRequest naming the field. The model's `params` go under the client's own fields,
-    and its `max_tokens` caps the output (a chat request that sets none gets it)."""
+    and its `max_tokens` caps the output (`cap_output`); one choice per request (`n`)."""
     client_model = request_model(body)
     prompt_field = _prompt_field(kind, body)
     prompt = body.get(prompt_field)
@@ -105,14 +109,9 @@ def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
             raise InvalidRequest(
                 f"{name}: must be an integer >= {least}, got {kind_of(value)}", name
             )
-        if is_int(out.get(name)) and model.max_tokens is not None:
-            out[name] = min(out[name], model.max_tokens)
-    if (
-        kind == "chat"
-        and model.max_tokens is not None
-        and not any(out.get(name) is not None for name in OUTPUT_LIMITS)
-    ):
-        out["max_tokens"] = model.max_tokens
+    if kind != "embeddings":
+        cap_output(out, model.max_tokens, absent_is_unbounded=kind == "chat")
+        check_one_choice(out)
     stream = body.get("stream") or False  # null is vLLM's default, as absent
     if kind == "embeddings":
         stream = False
@@ -206,13 +205,13 @@ def error_document(error: GatewayError) -> dict[str, Any]:
     """`{"error": {...}}` as OpenAI writes it: an upstream's own error object where it gave
     one (vLLM's flat `{"object": "error", ...}` too), else the gateway's."""
     if error.upstream_body is not None:
-        found = _upstream_error(error.upstream_body)
+        found = _openai_error(error.upstream_body)
         if found is not None:
             return {"error": found}
     return error.openai_body()
 
 
-def _upstream_error(body: bytes) -> dict[str, Any] | None:
+def _openai_error(body: bytes) -> dict[str, Any] | None:
     try:
         document = orjson.loads(body)
     except ValueError:
@@ -328,7 +327,7 @@ class StreamRelay:
     for it (older clients break on an empty `choices`); an error event is passed in OpenAI's
     shape and fails the stream (`failed`), with no `[DONE]` after it.
 
-    An event as servers write it (`PLAIN_EVENT`) is renamed where its bytes say the model
+    An event as servers write it (`DATA_EVENT`) is renamed where its bytes say the model
     they said before, and parsed only if they may hold an error or the usage chunk: a JSON
     parse and re-framing of every token cost the relay more than translating does on the
     Messages surface (`python -m bench.surfaces`).
@@ -364,7 +363,7 @@ class StreamRelay:
             if run is not None:
                 return run
         out: list[bytes] = []
-        parser, match = self._parser, PLAIN_EVENT.match
+        parser, match = self._parser, DATA_EVENT.match
         position, size = 0, len(data)
         while position < size and not self.over:
             if parser.idle:
@@ -486,7 +485,7 @@ class StreamRelay:
             return self.fail("upstream sent a line that is not JSON")
         if isinstance(document, dict):
             if isinstance(document.get("error"), dict | str) or document.get("object") == "error":
-                found = _upstream_error(data)
+                found = _openai_error(data)
                 return self._end(found or failure(data[:500].decode("utf-8", "replace")))
             choices = document.get("choices")
             usage = document.get("usage")

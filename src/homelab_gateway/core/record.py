@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str
-    surface: str  # messages | count_tokens | chat | completions | embeddings | responses | proxy
+    surface: str  # a row's name in `core.surfaces.SURFACES`, or proxy
     started: float
     method: str = ""
     path: str = ""

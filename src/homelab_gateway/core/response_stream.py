@@ -15,9 +15,11 @@ from typing import Any
 
 import orjson
 
-from homelab_gateway.core.responses import Offered, ResponsesRequest
+from homelab_gateway.core.response_tools import Offered
+from homelab_gateway.core.responses import ResponsesRequest
 from homelab_gateway.core.sse import encode_event
-from homelab_gateway.core.translator import Event, replace_lone_surrogates
+from homelab_gateway.core.text import replace_lone_surrogates
+from homelab_gateway.core.translator import Event
 
 INCOMPLETE = {"max_tokens": "max_output_tokens", "refusal": "content_filter"}
 """The translator's stop reasons that leave a response incomplete, and the reason it says."""

@@ -8,50 +8,36 @@ once, validated as it goes, so a 400 names the exact item (`input.3.call_id: ...
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from homelab_gateway.config import ModelConfig
-from homelab_gateway.core.mapping import (
+from homelab_gateway.core.fields import (
+    OUTPUT_LIMITS,
     InvalidRequest,
+    cap_output,
+    check_base64,
+    image_part,
+    is_int,
+    is_number,
+    kind_of,
+    string,
+    typed,
+    usage_options,
+)
+from homelab_gateway.core.mapping import (
     MappedRequest,
     PackedRequest,
     dumps,
     estimate_tokens,
-    is_int,
-    is_number,
-    kind_of,
     merge,
     request_model,
 )
-from homelab_gateway.core.openai import OUTPUT_LIMITS
-from homelab_gateway.core.translator import replace_lone_surrogates
+from homelab_gateway.core.response_tools import Offered, offered_tools, tool_choice
+from homelab_gateway.core.text import replace_lone_surrogates
 
-HOSTED_TOOLS = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_2025_08_26",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-        "computer_use_preview",
-        "computer_use",
-        "mcp",
-        "local_shell",
-        "shell",
-        "apply_patch",
-        "tool_search",
-    }
-)
-"""Tools OpenAI runs, or that only OpenAI's models are trained to call in its own format (a
-shell, `apply_patch` as a built-in): they are dropped from the request (Codex always offers
-`web_search`) rather than refused."""
 HOSTED_ITEMS = frozenset(
     {
         "web_search_call",
@@ -79,23 +65,6 @@ STATELESS = ("previous_response_id", "conversation", "prompt")
 """Fields that name something stored on the server: this gateway stores nothing."""
 EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 """Each effort as chat's `reasoning_effort` takes it."""
-TOOL_CHOICES = frozenset({"auto", "none", "required"})
-NAMESPACE_SEPARATOR = "__"
-"""Between a namespace and a function's name, where a namespaced tool is offered upstream."""
-INPUT_SCHEMA = {
-    "type": "object",
-    "properties": {"input": {"type": "string", "description": "The tool's whole input"}},
-    "required": ["input"],
-}
-"""A custom (freeform) tool's parameters as a function: its input as one string."""
-
-
-class Offered(NamedTuple):
-    """A tool as the client named it, behind the name the upstream sees."""
-
-    namespace: str | None
-    name: str
-    custom: bool = False  # a freeform tool: its calls are `custom_tool_call`s with an `input`
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +98,7 @@ def map_responses(
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest(f"stream: must be a boolean, got {kind_of(stream)}", "stream")
 
-    tools, names, echo_tools = _tools(body.get("tools"))
+    tools, names, echo_tools = offered_tools(body.get("tools"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest(
@@ -148,7 +117,7 @@ def map_responses(
             out[name] = value
     if _optional(body, "top_logprobs", is_int, "an integer >= 0", least=0):
         raise InvalidRequest("top_logprobs: log probabilities are not served here", "top_logprobs")
-    choice, offered, echo_choice = _tool_choice(body.get("tool_choice"), flat)
+    choice, offered, echo_choice = tool_choice(body.get("tool_choice"), flat)
     if offered is not None:
         tools = [tool for tool in tools if tool["function"]["name"] in offered]
     if tools:
@@ -170,16 +139,9 @@ def map_responses(
         raise InvalidRequest(f"metadata: must be an object, got {kind_of(metadata)}", "metadata")
 
     out["stream"] = True  # always: one translation path, and idle/cancel work mid-generation
-    out["stream_options"] = {"include_usage": True}
-    if continuous_usage_stats:
-        out["stream_options"]["continuous_usage_stats"] = True
+    out["stream_options"] = usage_options(continuous_usage_stats)
     upstream = merge(model.params, out)
-    if model.max_tokens is not None:  # the model's cap, on whichever limit is set, as chat's
-        for name in OUTPUT_LIMITS:
-            if is_int(upstream.get(name)):
-                upstream[name] = min(upstream[name], model.max_tokens)
-        if not any(is_int(upstream.get(name)) for name in OUTPUT_LIMITS):
-            upstream["max_tokens"] = model.max_tokens
+    cap_output(upstream, model.max_tokens, absent_is_unbounded=True)
 
     keys = {name: body.get(name) for name in ("prompt_cache_key", "safety_identifier", "user")}
     echo = {
@@ -326,17 +288,17 @@ def _input(
                     f"{where}.role",
                 )
         elif kind in ("function_call", "custom_tool_call"):
-            call_id = _string(item, "call_id", where)
+            call_id = string(item, "call_id", where, nonempty=True)
             if call_id in calls:
                 raise InvalidRequest(
                     f"{where}.call_id: {call_id!r} is used by an earlier call", f"{where}.call_id"
                 )
             calls.add(call_id)
-            name = _string(item, "name", where)
+            name = string(item, "name", where, nonempty=True)
             namespace = item.get("namespace")
             upstream_name = flat.get((namespace if isinstance(namespace, str) else None, name))
             if kind == "custom_tool_call":
-                arguments = dumps({"input": _string(item, "input", where, empty=True)}).decode()
+                arguments = dumps({"input": string(item, "input", where)}).decode()
             else:
                 arguments = _arguments(item.get("arguments", ""), f"{where}.arguments")
             call = {
@@ -352,7 +314,7 @@ def _input(
             holder["content"] = holder["content"] or None
             unanswered.add(call_id)
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = _string(item, "call_id", where)
+            call_id = string(item, "call_id", where, nonempty=True)
             if call_id not in calls:
                 raise InvalidRequest(
                     f"{where}.call_id: {call_id!r} answers no function_call before it",
@@ -405,11 +367,11 @@ def _text_content(content: Any, where: str, *, assistant: bool = False) -> str:
         )
     texts = []
     for j, part in enumerate(content):
-        kind = _part_type(part, f"{where}.{j}")
+        kind = typed(part, f"{where}.{j}")
         if kind in ("input_text", "output_text", "text"):
-            texts.append(_string(part, "text", f"{where}.{j}", empty=True))
+            texts.append(string(part, "text", f"{where}.{j}"))
         elif kind == "refusal" and assistant:
-            texts.append(_string(part, "refusal", f"{where}.{j}", empty=True))
+            texts.append(string(part, "refusal", f"{where}.{j}"))
         else:
             raise InvalidRequest(
                 f"{where}.{j}.type: part type {kind!r} is not supported in this message",
@@ -433,9 +395,9 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 def _part(part: Any, where: str) -> dict[str, Any]:
-    kind = _part_type(part, where)
+    kind = typed(part, where)
     if kind in ("input_text", "output_text", "text"):
-        return {"type": "text", "text": _string(part, "text", where, empty=True)}
+        return {"type": "text", "text": string(part, "text", where)}
     if kind == "input_image":
         return _image(part, where)
     raise InvalidRequest(
@@ -449,7 +411,7 @@ def _image(part: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise InvalidRequest(
             f"{where}.file_id: this gateway stores no files; send image_url", f"{where}.file_id"
         )
-    url = _string(part, "image_url", where)
+    url = string(part, "image_url", where, nonempty=True)
     if url.startswith("data:"):
         header, _, data = url.partition(",")
         if not header.endswith(";base64") or not header.startswith("data:image/"):
@@ -457,21 +419,12 @@ def _image(part: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"{where}.image_url: a data URL must be data:image/...;base64,...",
                 f"{where}.image_url",
             )
-        try:
-            base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest(
-                f"{where}.image_url: is not valid base64", f"{where}.image_url"
-            ) from None
+        check_base64(data, f"{where}.image_url")
     elif not url.startswith(("http://", "https://")):
         raise InvalidRequest(
             f"{where}.image_url: must be an http(s) or data URL", f"{where}.image_url"
         )
-    image: dict[str, Any] = {"url": url}
-    detail = part.get("detail")
-    if detail in ("low", "high", "auto"):
-        image["detail"] = detail
-    return {"type": "image_url", "image_url": image}
+    return image_part(url, part.get("detail"))
 
 
 def _output_content(output: Any, where: str) -> tuple[str, list[dict[str, Any]]]:
@@ -491,174 +444,6 @@ def _output_content(output: Any, where: str) -> tuple[str, list[dict[str, Any]]]
         else:
             images.append(mapped)
     return "".join(texts), images
-
-
-def _tools(
-    tools: Any,
-) -> tuple[list[dict[str, Any]], dict[str, Offered], list[dict[str, Any]]]:
-    """The chat tools, what each upstream name stands for, and the tools as the response
-    echoes them: the functions offered, under the names the model sees. A custom (freeform)
-    tool is offered as a function of one string, `input`, its grammar in its description."""
-    if tools is None:
-        return [], {}, []
-    if not isinstance(tools, list):
-        raise InvalidRequest(f"tools: must be an array, got {kind_of(tools)}", "tools")
-    out: list[dict[str, Any]] = []
-    names: dict[str, Offered] = {}
-    echo: list[dict[str, Any]] = []
-
-    def offer(
-        tool: Mapping[str, Any], where: str, namespace: str | None, custom: bool = False
-    ) -> None:
-        name = _string(tool, "name", where)
-        upstream_name = name if namespace is None else namespace + NAMESPACE_SEPARATOR + name
-        if upstream_name in names:
-            raise InvalidRequest(
-                f"{where}.name: {upstream_name!r} is offered twice", f"{where}.name"
-            )
-        names[upstream_name] = Offered(namespace, name, custom)
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise InvalidRequest(
-                f"{where}.description: must be a string, got {kind_of(description)}",
-                f"{where}.description",
-            )
-        parameters = tool.get("parameters")
-        if parameters is not None and not isinstance(parameters, Mapping):
-            raise InvalidRequest(
-                f"{where}.parameters: must be an object, got {kind_of(parameters)}",
-                f"{where}.parameters",
-            )
-        strict = tool.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequest(
-                f"{where}.strict: must be a boolean, got {kind_of(strict)}", f"{where}.strict"
-            )
-        function: dict[str, Any] = {
-            "name": upstream_name,
-            "parameters": dict(parameters) if parameters else {"type": "object", "properties": {}},
-        }
-        if description:
-            function["description"] = description
-        if strict is not None:
-            function["strict"] = strict
-        out.append({"type": "function", "function": function})
-        echo.append(
-            {
-                "type": "function",
-                "name": upstream_name,
-                "description": description,
-                "parameters": function["parameters"],
-                "strict": strict,
-            }
-        )
-
-    for i, tool in enumerate(tools):
-        where = f"tools.{i}"
-        if not isinstance(tool, Mapping):
-            raise InvalidRequest(f"{where}: must be an object, got {kind_of(tool)}", where)
-        kind = tool.get("type")
-        if kind == "function":
-            offer(tool, where, None)
-        elif kind == "custom":
-            offer(_as_function(tool, where), where, None, custom=True)
-        elif kind == "namespace":
-            namespace = _string(tool, "name", where)
-            members = tool.get("tools")
-            if not isinstance(members, list):
-                raise InvalidRequest(
-                    f"{where}.tools: must be an array, got {kind_of(members)}", f"{where}.tools"
-                )
-            for j, member in enumerate(members):
-                if not isinstance(member, Mapping) or member.get("type", "function") != "function":
-                    raise InvalidRequest(
-                        f"{where}.tools.{j}: must be a function tool", f"{where}.tools.{j}"
-                    )
-                offer(member, f"{where}.tools.{j}", namespace)
-        elif isinstance(kind, str) and (kind in HOSTED_TOOLS or kind.startswith("web_search")):
-            continue
-        else:
-            raise InvalidRequest(
-                f"{where}.type: tool type {kind_of(kind)} is not supported here (function, "
-                "custom and namespace tools are; hosted tools are left out)",
-                f"{where}.type",
-            )
-    return out, names, echo
-
-
-def _as_function(tool: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A custom tool as the function it is offered as."""
-    description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise InvalidRequest(
-            f"{where}.description: must be a string, got {kind_of(description)}",
-            f"{where}.description",
-        )
-    parts = [description] if description else []
-    form = tool.get("format")
-    if isinstance(form, Mapping) and form.get("type") == "grammar":
-        syntax, definition = form.get("syntax"), form.get("definition")
-        if isinstance(definition, str):
-            parts.append(f"The input follows this {syntax} grammar:\n{definition}")
-    return {"name": tool.get("name"), "description": "\n\n".join(parts), "parameters": INPUT_SCHEMA}
-
-
-def _tool_choice(
-    choice: Any, flat: Mapping[tuple[str | None, str], str]
-) -> tuple[Any, set[str] | None, Any]:
-    """Chat's tool_choice, the upstream names to offer where the choice narrows them
-    (`allowed_tools`), and the choice as the response echoes it."""
-    if choice is None:
-        return None, None, "auto"
-    if isinstance(choice, str) and choice in TOOL_CHOICES:
-        return choice, None, choice
-    if not isinstance(choice, Mapping):
-        raise InvalidRequest(
-            "tool_choice: must be 'auto', 'none', 'required' or an object", "tool_choice"
-        )
-    kind = choice.get("type")
-    if kind in ("function", "custom"):
-        name = _offered(choice, "tool_choice", flat)
-        return {"type": "function", "function": {"name": name}}, None, _named(name)
-    if kind == "allowed_tools":
-        mode = choice.get("mode", "auto")
-        if mode not in ("auto", "required"):
-            raise InvalidRequest(
-                f"tool_choice.mode: must be 'auto' or 'required', got {kind_of(mode)}",
-                "tool_choice.mode",
-            )
-        allowed = choice.get("tools")
-        if not isinstance(allowed, list) or not allowed:
-            raise InvalidRequest(
-                f"tool_choice.tools: must be a non-empty array, got {kind_of(allowed)}",
-                "tool_choice.tools",
-            )
-        names = [_offered(tool, f"tool_choice.tools.{j}", flat) for j, tool in enumerate(allowed)]
-        echo = {"type": "allowed_tools", "mode": mode, "tools": [_named(n) for n in names]}
-        return mode, set(names), echo
-    raise InvalidRequest(
-        f"tool_choice.type: must be 'function', 'custom' or 'allowed_tools' (hosted tools are "
-        f"not run here), got {kind_of(kind)}",
-        "tool_choice.type",
-    )
-
-
-def _offered(entry: Any, where: str, flat: Mapping[tuple[str | None, str], str]) -> str:
-    """The upstream name of the tool a choice names: one the request offers."""
-    if not isinstance(entry, Mapping) or entry.get("type") not in ("function", "custom"):
-        raise InvalidRequest(f"{where}: must name a function or custom tool", where)
-    name = _string(entry, "name", where)
-    namespace = entry.get("namespace")
-    upstream_name = flat.get((namespace if isinstance(namespace, str) else None, name))
-    if upstream_name is None:
-        raise InvalidRequest(f"{where}.name: {name!r} is not among the tools", f"{where}.name")
-    return upstream_name
-
-
-def _named(name: str) -> dict[str, str]:
-    """A named tool, as a response's `tool_choice` says it (the name the model sees, as the
-    echoed tools say it too)."""
-    return {"type": "function", "name": name}
 
 
 def _reasoning(
@@ -716,7 +501,7 @@ def _text_config(text: Any, out: dict[str, Any]) -> dict[str, Any]:
         out["response_format"] = {"type": "json_object"}
         echo["format"] = {"type": "json_object"}
     elif kind == "json_schema":
-        name = _string(form, "name", "text.format")
+        name = string(form, "name", "text.format", nonempty=True)
         schema = form.get("schema")
         if not isinstance(schema, Mapping):
             raise InvalidRequest(
@@ -750,24 +535,3 @@ def _text_config(text: Any, out: dict[str, Any]) -> dict[str, Any]:
             "text.format.type",
         )
     return echo
-
-
-def _part_type(part: Any, where: str) -> str:
-    if not isinstance(part, Mapping):
-        raise InvalidRequest(f"{where}: must be an object, got {kind_of(part)}", where)
-    kind = part.get("type")
-    if not isinstance(kind, str):
-        raise InvalidRequest(
-            f"{where}.type: must be a string, got {kind_of(kind)}", f"{where}.type"
-        )
-    return kind
-
-
-def _string(item: Mapping[str, Any], key: str, where: str, *, empty: bool = False) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or (not empty and not value):
-        wanted = "a string" if empty else "a non-empty string"
-        raise InvalidRequest(
-            f"{where}.{key}: must be {wanted}, got {kind_of(value)}", f"{where}.{key}"
-        )
-    return value

@@ -21,7 +21,9 @@ from typing import Any
 
 import orjson
 
+from homelab_gateway.core.errors import error_event
 from homelab_gateway.core.sse import EventTooLarge, SSEParser
+from homelab_gateway.core.text import LONE_SURROGATE, refuse_constant, replace_lone_surrogates
 
 Event = dict[str, Any]
 
@@ -70,24 +72,12 @@ escape) goes the generic way. The pattern is strict enough that both ways give t
 events: `tests/core/test_translator.py` checks that for every event it accepts."""
 
 
-LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
-"""A surrogate left in a decoded JSON string is a lone one (json joins an escaped pair): no
-UTF-8 can carry it."""
-
 # The delta type of each kind of block, and the field its text goes in.
 _DELTAS = {
     "text": ("text_delta", "text"),
     "thinking": ("thinking_delta", "thinking"),
     "tool": ("input_json_delta", "partial_json"),
 }
-
-
-def replace_lone_surrogates(text: str) -> str:
-    """`text` with each lone UTF-16 surrogate as U+FFFD and each pair as its character: JSON's
-    `\\u` escapes can spell either, and UTF-8 (every event, every answer body) has neither."""
-    if LONE_SURROGATE.search(text) is None:
-        return text
-    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 class Phase(enum.Enum):
@@ -104,10 +94,6 @@ def new_message_id() -> str:
 
 def new_tool_use_id() -> str:
     return "toolu_" + secrets.token_hex(12)
-
-
-def error_event(error_type: str, message: str) -> Event:
-    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 @dataclass
@@ -449,12 +435,6 @@ def _loads_lone_surrogates(data: str) -> Any:
     escape (half an emoji a JS server split across chunks: the translator joins the halves).
     It also takes NaN and Infinity, which are not JSON, so those stay refused."""
     return json.loads(data, parse_constant=refuse_constant)
-
-
-def refuse_constant(name: str) -> Any:
-    """For `json.loads(parse_constant=...)`: NaN and Infinity are not JSON, though Python's
-    json takes them (and would write them on, to an upstream or a client)."""
-    raise ValueError(f"{name} is not a JSON number")
 
 
 class IncompleteMessage(Exception):

@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.surfaces import SURFACES as TABLE
 
 HOUR = 3600
-SURFACES = frozenset({"messages", "chat", "completions", "embeddings", "responses"})
+SURFACES = frozenset(row.name for row in TABLE if row.counted)
 """The LLM surfaces the ledger counts: not count_tokens (it generates nothing) nor proxy."""
 GROUPS = ("client", "model", "surface", "hour")
 """What rows can be grouped by (`by`), in the order a row lists them."""

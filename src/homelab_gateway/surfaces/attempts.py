@@ -136,13 +136,18 @@ def answerable(e: Exception, record: RequestRecord) -> GatewayError:
     """What a request's client hears of `e`, its handler's failure: a shutdown's cut, the
     GatewayError itself, or the gateway's own 500 for an exception nobody expected, after one
     traceback in the log (what the request held was given back on the way here). A cancel that
-    is the client leaving is raised again: nobody is left to answer."""
+    is the client leaving is raised again: nobody is left to answer. What it answers holds no
+    traceback: nothing of the request outlives its answer."""
     if isinstance(e, CancelledError):
         if record.outcome != "shutdown":
             raise e
         return shutdown_error()
     if isinstance(e, GatewayError):
         record.outcome = record.outcome or e.outcome
+        # The handler keeps the error past its `except`, in a frame its traceback holds: a
+        # cycle that, through the traceback's frames and the error it replaced (`__context__`),
+        # would keep the request's raw and parsed body until a full collection.
+        e.__traceback__ = e.__context__ = e.__cause__ = None
         return e
     log.failure("Unhandled error answering {request_id}", request_id=record.request_id)
     error = internal_error()

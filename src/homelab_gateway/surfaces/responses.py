@@ -1,5 +1,5 @@
-"""POST /llm/v1/responses: OpenAI's Responses API (Codex CLI, the Agents SDK) over the
-Messages surface's line, upstream request and translator, in `core.responses`' terms.
+"""POST /llm/v1/responses: OpenAI's Responses API (Codex CLI, the Agents SDK) translated
+as the Messages surface's is (`TranslatedSurface`), in `core.responses`' terms.
 
 The upstream is always streamed to, as for /llm/v1/messages; its block events become Responses
 events as each read arrives. A waiting stream gets `response.created` (status `queued`) at
@@ -10,150 +10,112 @@ would have had. Nothing is stored: a response cannot be fetched again.
 
 from __future__ import annotations
 
-from twisted.web.http_headers import Headers
+from typing import Any
+
 from twisted.web.iweb import IRequest
 
+from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError
-from homelab_gateway.core.mapping import InvalidRequest
+from homelab_gateway.core.mapping import PackedRequest
 from homelab_gateway.core.record import RequestRecord
-from homelab_gateway.core.replicas import session_key
 from homelab_gateway.core.response_stream import ResponseStream, new_response_id
-from homelab_gateway.core.responses import ResponsesRequest, map_responses
-from homelab_gateway.line.limiter import Slot
+from homelab_gateway.core.responses import map_responses
+from homelab_gateway.line.limiter import PositionListener, Slot
 from homelab_gateway.line.pool import Pool
-from homelab_gateway.surfaces.attempts import Target, answerable, attempts
-from homelab_gateway.surfaces.messages import EventStream, Messages
-from homelab_gateway.surfaces.openai import SESSION_HEADER, read_request, send_openai_error
-from homelab_gateway.web.respond import send_error
+from homelab_gateway.surfaces.attempts import Target, attempts
+from homelab_gateway.surfaces.stream import EventStream
+from homelab_gateway.surfaces.translated import TranslatedSurface, continuous_usage_stats
 
 PING_COMMENT = b": ping\n\n"
 """A silent stream's keep-alive: a comment, which every SSE parser skips (an `event:` line
 with no data is an empty event, which the openai SDK fails to decode)."""
 
 
-class ResponsesSurface:
-    """POST /llm/v1/responses, streaming and not, with the Messages surface's models,
-    replicas, line and settings (`messages`)."""
+class ResponsesSurface(TranslatedSurface):
+    """POST /llm/v1/responses, streaming and not. What a request waits as is its
+    `ResponseStream`: the mapped request and the events it has told."""
 
-    def __init__(self, messages: Messages) -> None:
-        self.messages = messages
+    prompt_param = "input"
 
-    def resolve(self, request: IRequest, record: RequestRecord) -> tuple[Target, ResponsesRequest]:
-        """The request, checked and mapped, its parsed body let go."""
-        body, model = read_request(request, record, self.messages.models)
-        pools = tuple(self.messages.pools[name] for name in model.replicas)
-        try:
-            mapped = map_responses(
-                body, model, continuous_usage_stats=all(p.continuous_usage_stats for p in pools)
-            )
-        except InvalidRequest as e:
-            raise GatewayError(400, str(e), param=e.param) from None
-        except RecursionError:
-            raise GatewayError(400, "request body is nested too deeply") from None
-        record.stream = mapped.packed.stream
-        record.input_tokens = mapped.packed.estimated_input_tokens
-        session = session_key(request.getHeader(SESSION_HEADER) or mapped.session)
-        return Target(model, pools, session), mapped
+    def map(
+        self, body: Any, model: ModelConfig, pools: tuple[Pool, ...]
+    ) -> tuple[ResponseStream, str | None]:
+        mapped = map_responses(body, model, continuous_usage_stats=continuous_usage_stats(pools))
+        response = ResponseStream(
+            mapped, response_id=new_response_id(), now=self.settings.clock.seconds
+        )
+        return response, mapped.session
 
-    async def answer(self, request: IRequest, record: RequestRecord) -> bytes | None:
-        """The answer to one request: a body to send, or None once it streamed its answer."""
-        if request.method != b"POST":
-            request.setHeader(b"allow", b"POST")
-            return send_error(request, GatewayError(405, "use POST"), shape="openai")
-        messages = self.messages
-        stream: EventStream | None = None
-        response: ResponseStream | None = None
-        try:
-            try:
-                target, mapped = self.resolve(request, record)
-                request.requestHeaders = Headers()  # read; a waiter would keep ~1 KB of them
-                response = ResponseStream(
-                    mapped, response_id=new_response_id(), now=messages.clock.seconds
-                )
-                if not mapped.packed.stream:
-                    body = await self._whole(record, target, response)
-                    request.setHeader(b"content-type", b"application/json")
-                    return body
-                stream = EventStream(
-                    request,
-                    messages.clock,
-                    messages.ping_interval,
-                    response.queue_frame,
-                    opening="response.in_progress",
-                    ping=PING_COMMENT,
-                )
-                stream.estimator = target.pools[0].line.estimate
-                await attempts(
-                    messages.retries,
-                    record,
-                    target,
-                    lambda position: _told_place(response, stream, position),
-                    lambda pool, fields, slot: self._stream(
-                        request, record, pool, fields, slot, response, stream
-                    ),
-                )
-                return None
-            except Exception as e:
-                error = answerable(e, record)
-            if error.code == "context_length_exceeded":
-                error.param = "input"
-            if stream is not None and stream.started and response is not None:
-                message = error.message
-                if error.retry_after is not None:  # the words Codex takes its delay from
-                    message += f" Please try again in {error.retry_after}s."
-                stream.send(response.fail(failure_code(error), message))
-                return None
-            return send_openai_error(request, error)
-        finally:
-            if stream is not None:
-                stream.close()
+    def packed(self, mapped: ResponseStream) -> PackedRequest:
+        return mapped.request.packed
 
-    async def _stream(
+    def late_error(self, stream: EventStream, mapped: ResponseStream, error: GatewayError) -> None:
+        message = error.message
+        if error.retry_after is not None:  # the words Codex takes its delay from
+            message += f" Please try again in {error.retry_after}s."
+        stream.send(mapped.fail(failure_code(error), message))
+
+    def event_stream(self, request: IRequest, mapped: ResponseStream) -> EventStream:
+        return EventStream(
+            request,
+            self.settings.clock,
+            self.settings.ping_interval,
+            mapped.queue_frame,
+            opening="response.in_progress",
+            ping=PING_COMMENT,
+        )
+
+    def on_position(self, stream: EventStream, mapped: ResponseStream) -> PositionListener:
+        return lambda position: _told_place(mapped, stream, position)
+
+    async def pour(
         self,
         request: IRequest,
         record: RequestRecord,
         pool: Pool,
-        fields: dict[str, object],
+        mapped: ResponseStream,
+        fields: dict[str, Any],
         slot: Slot,
-        response: ResponseStream,
         stream: EventStream,
     ) -> None:
         """One attempt, its events written as each upstream read is translated."""
-        if response.status == "queued":
-            stream.send(response.begin())
-        await self.messages.relay(
+        if mapped.status == "queued":
+            stream.send(mapped.begin())
+        await self.relay(
             request,
             record,
             pool,
-            response.request.packed,
+            mapped.request.packed,
             fields,
-            lambda events: stream.send(response.feed(events)),
+            lambda events: stream.send(mapped.feed(events)),
             slot,
-            response.call_id,
+            mapped.call_id,
         )
 
-    async def _whole(
-        self, record: RequestRecord, target: Target, response: ResponseStream
+    async def whole(
+        self, request: IRequest, record: RequestRecord, target: Target, mapped: ResponseStream
     ) -> bytes:
         await attempts(
-            self.messages.retries,
+            self.settings.retries,
             record,
             target,
             None,
-            lambda pool, fields, slot: self.messages.relay(
+            lambda pool, fields, slot: self.relay(
                 None,
                 record,
                 pool,
-                response.request.packed,
+                mapped.request.packed,
                 fields,
-                response.feed,
+                mapped.feed,
                 slot,
-                response.call_id,
+                mapped.call_id,
             ),
         )
-        if response.error is not None:
-            raise GatewayError(502, response.error["message"])
-        return response.response()
+        if mapped.error is not None:
+            raise GatewayError(502, mapped.error["message"])
+        body = mapped.response()
+        request.setHeader(b"content-type", b"application/json")
+        return body
 
 
 def failure_code(error: GatewayError) -> str:

@@ -6,6 +6,7 @@ Handlers only choose what runs. `_work` is the one door for requests that reach 
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
@@ -27,15 +28,14 @@ from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError, internal_error
 from homelab_gateway.core.mapping import find_model
 from homelab_gateway.core.record import RequestRecord
+from homelab_gateway.core.surfaces import SURFACES, SurfaceRow
 from homelab_gateway.core.usage import InvalidQuery, parse_query, render_csv
 from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.quotas import Quotas
-from homelab_gateway.surfaces.messages import Messages
-from homelab_gateway.surfaces.openai import OpenAISurface
 from homelab_gateway.surfaces.proxy import ReverseProxy
-from homelab_gateway.surfaces.responses import ResponsesSurface
+from homelab_gateway.surfaces.skeleton import Surface, SurfaceSettings
 from homelab_gateway.telemetry import Telemetry
 from homelab_gateway.upstream.readiness import Readiness
 from homelab_gateway.web.access import AccessPolicy
@@ -58,6 +58,24 @@ def _iso(at: float | None, now: float) -> str | None:
 Work = Callable[[RequestRecord], Coroutine[Any, Any, Any]]
 
 
+def surfaces_of(settings: SurfaceSettings) -> dict[str, Surface]:
+    """Each surface of the table, by name, answering with `settings`."""
+    surfaces = {}
+    for row in SURFACES:
+        module, _, name = row.surface.partition(":")
+        kind = getattr(importlib.import_module(f"homelab_gateway.surfaces.{module}"), name)
+        surfaces[row.name] = kind(settings, row)
+    return surfaces
+
+
+def _surface_route(row: SurfaceRow) -> Callable[[GatewayApp, IRequest], Any]:
+    def route(self: GatewayApp, request: IRequest) -> Any:
+        return self.surface(request, row)
+
+    route.__name__ = f"surface_{row.name}"
+    return route
+
+
 class GatewayApp:
     app = Klein()
 
@@ -67,7 +85,7 @@ class GatewayApp:
         models: Mapping[str, ModelConfig],
         pools: Mapping[str, Pool],
         proxy: ReverseProxy,
-        messages: Messages,
+        settings: SurfaceSettings,
         access: AccessPolicy,
         inflight: InFlight,
         telemetry: Telemetry,
@@ -79,9 +97,7 @@ class GatewayApp:
         self.models = models
         self.pools = pools
         self.proxy = proxy
-        self.messages = messages
-        self.openai = OpenAISurface(messages)
-        self.responses = ResponsesSurface(messages)
+        self.use(settings)
         self.access = access
         self.inflight = inflight
         self.cluster = cluster
@@ -91,12 +107,18 @@ class GatewayApp:
         self.quotas = quotas
         self.metrics_resource = MetricsResource(telemetry.registry)
         self.status_page = StatusPage(
-            messages.clock,
+            settings.clock,
             telemetry,
             pools,
             self.status_document,
             tokens_by_hour=ledger.tokens_by_hour,
         )
+
+    def use(self, settings: SurfaceSettings) -> None:
+        """Answer new requests with `settings` (at start, and at each reload); a request
+        already running keeps the surface it started with."""
+        self.settings = settings
+        self.surfaces = surfaces_of(settings)
 
     def _work(
         self, request: IRequest, surface: str, work: Work, *, shape: Shape, respond: bool = False
@@ -147,34 +169,24 @@ class GatewayApp:
     def metrics(self, request: IRequest) -> Any:
         return self._light(request, protected=self.access.protect_metrics) or self.metrics_resource
 
-    @app.route("/llm/v1/messages")
-    def messages_route(self, request: IRequest) -> Any:
-        """The request's flight writes the answer and finishes the request (`respond`); Klein
-        gets `ANSWERED_BY_ITS_FLIGHT`, so its render chain ends here rather than hold, for a
-        stream's whole wait in the line, its closures and the callbacks on the handler's
-        Deferred (see `AnsweredByItsFlight`). An answer given at once (a refusal, a preflight)
-        is Klein's to write, as any route's."""
-        return self._flight(
-            request, "messages", lambda r: self.messages.answer(request, r), "anthropic"
+    def surface(self, request: IRequest, row: SurfaceRow) -> Any:
+        """A request on one of the table's surfaces. Its flight writes the answer and finishes
+        the request (`respond`); Klein gets `ANSWERED_BY_ITS_FLIGHT`, so its render chain ends
+        here rather than hold, for a stream's whole wait in the line, its closures and the
+        callbacks on the handler's Deferred (see `AnsweredByItsFlight`). An answer given at
+        once (a refusal, a preflight) is Klein's to write, as any route's."""
+        surface = self.surfaces[row.name]
+        answer = self._work(
+            request, row.name, lambda r: surface.answer(request, r), shape=row.shape, respond=True
         )
+        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
 
-    @app.route("/llm/v1/chat/completions")
-    def chat_completions(self, request: IRequest) -> Any:
-        return self._openai(request, "chat")
-
-    @app.route("/llm/v1/completions")
-    def completions(self, request: IRequest) -> Any:
-        return self._openai(request, "completions")
-
-    @app.route("/llm/v1/embeddings")
-    def embeddings(self, request: IRequest) -> Any:
-        return self._openai(request, "embeddings")
-
-    @app.route("/llm/v1/responses")
-    def responses_route(self, request: IRequest) -> Any:
-        return self._flight(
-            request, "responses", lambda r: self.responses.answer(request, r), "openai"
-        )
+    for _row in SURFACES:
+        for _path in _row.paths:
+            app.route(_path.decode(), endpoint=f"{_row.name} {_path.decode()}")(
+                _surface_route(_row)
+            )
+    del _row, _path
 
     @app.route("/llm/v1/responses/<path:rest>")
     def stored_response(self, request: IRequest, rest: str) -> Any:
@@ -189,34 +201,6 @@ class GatewayApp:
             code="not_found",
         )
         return send_error(request, error, shape="openai")
-
-    def _openai(self, request: IRequest, surface: str) -> Any:
-        return self._flight(
-            request, surface, lambda r: self.openai.answer(request, r, surface), "openai"
-        )
-
-    def _flight(self, request: IRequest, surface: str, work: Work, shape: Shape) -> Any:
-        """A surface whose request's flight answers it (see `messages_route`)."""
-        answer = self._work(request, surface, work, shape=shape, respond=True)
-        return ANSWERED_BY_ITS_FLIGHT if isinstance(answer, Deferred) else answer
-
-    @app.route("/llm/v1/messages/count_tokens")
-    def count_tokens(self, request: IRequest) -> Any:
-        return self._work(
-            request, "count_tokens", lambda r: self._count_tokens(request, r), shape="anthropic"
-        )
-
-    async def _count_tokens(self, request: IRequest, record: RequestRecord) -> bytes:
-        if request.method != b"POST":
-            return send_error(request, GatewayError(405, "use POST for /v1/messages/count_tokens"))
-        try:
-            pool, payload, estimate = self.messages.count_request(request, record)
-        except GatewayError as e:
-            record.outcome = e.outcome
-            return send_error(request, e)
-        count, _ = await self.messages.tokenize(pool, payload, record.client)
-        record.input_tokens = count or estimate
-        return send_json(request, 200, {"input_tokens": record.input_tokens})
 
     @app.route("/llm/v1/models", methods=["GET", "OPTIONS"])
     def list_models(self, request: IRequest) -> bytes:
@@ -257,7 +241,7 @@ class GatewayApp:
         where none is configured); both are null where neither the upstream nor the config says.
         """
         created = datetime.fromisoformat(MODEL_CREATED_AT)
-        window = self.messages.context_window(model)
+        window = self.settings.context_window(model)
         return {
             "id": name,
             "type": "model",
@@ -304,7 +288,7 @@ class GatewayApp:
 
     def status_document(self) -> dict[str, Any]:
         """What `/llm/v1/status` says; the status page shows the same, with more."""
-        now = self.messages.clock.seconds()
+        now = self.settings.clock.seconds()
         models: dict[str, list[str]] = {}
         for model in self.models.values():
             for name in model.replicas:

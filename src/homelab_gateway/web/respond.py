@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Literal
+from typing import Any
 
 from twisted.web.iweb import IRequest
 
 from homelab_gateway.core.errors import GatewayError
-
-Shape = Literal["anthropic", "openai", "plain"]
-"""How an error is written: Anthropic's (/llm/v1/messages), OpenAI's (its surfaces under
-/llm/v1), or the gateway's plain one (proxy routes, the status page)."""
-OPENAI_PATHS = frozenset(
-    {b"/llm/v1/chat/completions", b"/llm/v1/completions", b"/llm/v1/embeddings"}
-)
+from homelab_gateway.core.surfaces import SHAPES, Shape
 
 
 def shape_of(path: bytes) -> Shape:
-    """The error shape of a path, for answers given before any route is chosen."""
-    if path.partition(b"?")[0].rstrip(b"/") in OPENAI_PATHS:
-        return "openai"
+    """The error shape of a path, for answers given before any route is chosen (the channel's
+    413, 431, 408): its surface's (`core.surfaces`), Anthropic's elsewhere under /llm/, else
+    the plain one."""
+    shape = SHAPES.get(path.partition(b"?")[0].rstrip(b"/"))
+    if shape is not None:
+        return shape
     return "anthropic" if path.startswith(b"/llm/") else "plain"
 
 
@@ -50,7 +47,17 @@ def error_body(error: GatewayError, shape: Shape) -> tuple[int, dict[str, Any]]:
 
 
 def send_error(request: IRequest, error: GatewayError, *, shape: Shape = "anthropic") -> bytes:
-    """The error as an HTTP answer in the surface's `shape`."""
+    """The error as an HTTP answer in the surface's `shape`. On OpenAI's surfaces an upstream's
+    own refusal passes on with its status and body, as the upstream wrote it."""
     if error.retry_after is not None:
         request.setHeader(b"retry-after", str(error.retry_after).encode())
+    if shape == "openai" and error.upstream_body is not None and error.upstream_status is not None:
+        request.setResponseCode(error.upstream_status)
+        try:
+            json.loads(error.upstream_body)
+            content_type = b"application/json"
+        except ValueError:
+            content_type = b"text/plain; charset=utf-8"
+        request.setHeader(b"content-type", content_type)
+        return error.upstream_body
     return send_json(request, *error_body(error, shape))
