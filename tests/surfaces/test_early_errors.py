@@ -8,9 +8,9 @@ import json
 import tracemalloc
 from typing import Any
 
-from tests.helpers import chat, raw_request
 from tests.surfaces.test_llm import LLMSurface
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import chat, raw_request
 
 BIG = "x" * 1_000_000
 MIB = 1024 * 1024
