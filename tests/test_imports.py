@@ -238,4 +238,5 @@ def test_violations_names_each_forbidden_import() -> None:
     assert violations(graph) == [
         ("bench.pair", "tests.helpers"),
         ("homelab_gateway.core.line", "homelab_gateway.web.respond"),
+        ("homelab_gateway.surfaces.openai", "homelab_gateway.surfaces.messages"),
     ]

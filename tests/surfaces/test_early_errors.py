@@ -37,7 +37,7 @@ def bad_requests() -> list[tuple[str, bytes, int]]:
 def gateway_memory() -> int:
     """Bytes traced now, less what the test's client allocated (it keeps what it sent, in a
     cycle of its own)."""
-    client = tracemalloc.Filter(False, "*/tests/helpers.py", all_frames=True)
+    client = tracemalloc.Filter(False, "*/testsupport/helpers.py", all_frames=True)
     snapshot = tracemalloc.take_snapshot().filter_traces([client])
     return sum(stat.size for stat in snapshot.statistics("filename"))
 
