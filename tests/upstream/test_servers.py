@@ -12,6 +12,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,15 @@ from treq.client import HTTPClient
 from treq.testing import StubTreq
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, ensureDeferred
+from twisted.internet.error import ProcessDone
 from twisted.internet.task import Clock
+from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
+from homelab_gateway.upstream.processes import LINE_LIMIT, Output
 from homelab_gateway.upstream.servers import (
     ManagedServer,
     ServerFailed,
@@ -488,3 +492,21 @@ class SleepMode(TestCase):
         self.clock.pump([0.5] * 3)
         failure = self.failureResultOf(d, ServerFailed)
         self.assertIn("POST /wake_up answered 404", str(failure.value))
+
+
+class OutputLines(TestCase):
+    def test_lines_are_split_at_either_end_of_line_and_the_rest_kept_for_the_end(self) -> None:
+        lines: deque[str] = deque(maxlen=3)
+        output = Output("coder", lines)
+        output.childDataReceived(1, b"Loading shards: 1/2\rLoading shards: 2/2\r\nready")
+        self.assertEqual(list(lines), ["Loading shards: 1/2", "Loading shards: 2/2"])
+        output.childDataReceived(2, b"an error\n")
+        self.assertEqual(lines[-1], "an error", "stderr has its own partial line")
+        output.processEnded(Failure(ProcessDone(0)))
+        self.assertEqual(list(lines), ["Loading shards: 2/2", "an error", "ready"])
+
+    def test_a_line_without_an_end_is_logged_once_it_is_too_long(self) -> None:
+        lines: deque[str] = deque()
+        output = Output("coder", lines)
+        output.childDataReceived(1, b"x" * (LINE_LIMIT + 1))
+        self.assertEqual(len(lines), 1)
