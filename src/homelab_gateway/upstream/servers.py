@@ -100,9 +100,11 @@ class _Resident:
 class ManagedServer(_Resident):
     """A server the gateway starts on demand and stops; see the module's docstring.
 
-    `state_file` records the running server (pid, argv, url): a gateway that crashed leaves it
-    behind, and the next one adopts the server it names, if that still runs this argv, rather
-    than start a second one.
+    `state_file` records the running server (pid, its start time, argv, url): a gateway that
+    crashed leaves it behind, and the next one's `adopt` (or first `load`) takes over the server
+    it names, if that still runs this argv and url, rather than start a second one; a server of
+    another config is stopped. An adopted server is not our child: its exit is seen by polling
+    /proc, and its output, which went to the dead gateway, is not logged.
     """
 
     def __init__(
