@@ -16,6 +16,9 @@ when a request starts (with a digest of its prompt, so a test can tell whether o
 twice, even across restarts of the stub), when it completes (when `[DONE]` is written, as
 vLLM's engine is done by then), when it is refused, on a `hangup` and, the moment the client
 leaves early, `cancelled`.
+
+`--load-time SECONDS` opens the port only that long after start, as vLLM opens its port only
+once its model is loaded: until then its health probe's connection is refused.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import json
 import sys
 
 from twisted.application.internet import StreamServerEndpointService
-from twisted.application.service import IService
-from twisted.internet.interfaces import IReactorTime
+from twisted.application.service import IService, Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamServerEndpoint
 from twisted.python import usage
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -257,6 +261,7 @@ class Options(usage.Options):
         ["reasoning-field", None, "reasoning", "reasoning | reasoning_content | both", str],
         ["max-model-len", None, None, "Context window, enforced as vLLM's", int],
         ["embedding-size", None, 8, "Length of an embedding (the model's hidden size)", int],
+        ["load-time", None, 0.0, "Seconds after start before the port opens (a model load)", float],
         ["log", None, None, "Append a line per request start, completion, cancellation, hangup"],
     ]
 
@@ -298,14 +303,40 @@ def open_log(path: str | None) -> StubLog:
     return StubLog(open(path, "a", buffering=1) if path else None)
 
 
+class LoadingService(StreamServerEndpointService):
+    """Listens only `load_time` seconds after it starts: a server loading its model."""
+
+    def __init__(
+        self, endpoint: IStreamServerEndpoint, site: Site, clock: IReactorTime, load_time: float
+    ) -> None:
+        super().__init__(endpoint, site)
+        self.clock = clock
+        self.load_time = load_time
+        self._loading: IDelayedCall | None = None
+
+    def privilegedStartService(self) -> None:
+        Service.privilegedStartService(self)
+
+    def startService(self) -> None:
+        Service.startService(self)
+        listen = super().privilegedStartService
+        self._loading = self.clock.callLater(self.load_time, listen)
+
+    def stopService(self) -> Deferred[None]:
+        if self._loading is not None and self._loading.active():
+            self._loading.cancel()
+            self.running = False
+            return succeed(None)
+        return super().stopService()
+
+
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
     from twisted.internet.endpoints import serverFromString
 
     site = stub_site(options.settings(), reactor, open_log(options["log"]))
-    return StreamServerEndpointService(
-        serverFromString(reactor, options.endpoint_description()), site
-    )
+    endpoint = serverFromString(reactor, options.endpoint_description())
+    return LoadingService(endpoint, site, reactor, options["load-time"])
 
 
 def main(argv: list[str] | None = None) -> None:
