@@ -37,9 +37,9 @@ from homelab_gateway.upstream.servers import (
     health_probe,
     server_root,
 )
-from tests.helpers import capture_log, wait_for
-from tests.processes import TWISTD, Process
 from tests.surfaces.test_proxy import async_test
+from testsupport.helpers import capture_log, wait_for
+from testsupport.processes import TWISTD, Process
 
 
 def free_port() -> int:
