@@ -16,9 +16,11 @@ import signal
 import sys
 from collections.abc import Mapping
 from contextlib import suppress
+from pathlib import Path
 from typing import IO, Any
 from weakref import WeakValueDictionary
 
+from treq.client import HTTPClient
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
 from twisted.internet.defer import TimeoutError as DeferredTimeout
@@ -45,6 +47,7 @@ from homelab_gateway.ledger import MEMORY, Ledger, LedgerError
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
+from homelab_gateway.line.residency import Residency
 from homelab_gateway.line.shared import shared_line
 from homelab_gateway.quotas import Local, Quotas, Shared
 from homelab_gateway.surfaces.attempts import Retries
@@ -90,6 +93,8 @@ class Gateway:
         self.models: dict[str, ModelConfig] = {}
         # [cluster]: lines shared with other gateways through Redis (read at start only).
         self.cluster = Cluster(config.cluster, reactor) if config.cluster is not None else None
+        # Models loaded on demand: made with the first managed upstream.
+        self.residency: Residency | None = None
         self._sync_pools(None, config)
         self.models.update(config.models)
         usage = config.usage  # read at start only
@@ -150,7 +155,19 @@ class Gateway:
             pool.forward_priority = upstream.forward_priority
             self.pools[name] = pool
         self._sync_lines(new)
+        self._sync_residency(new)
         self.http_pool.maxPersistentPerHost = max([16, *(u.slots for u in new.upstreams.values())])
+
+    def _sync_residency(self, config: Config) -> None:
+        """Put every managed upstream of `config` in the residency's hands (made with the
+        first), and let go of those no longer managed, once unloaded."""
+        managed = {name: u for name, u in config.upstreams.items() if u.managed}
+        if self.residency is None:
+            if not managed:
+                return
+            http = HTTPClient(Agent(self.reactor, pool=self.http_pool))
+            self.residency = Residency(self.reactor, self.reactor, http, Path.cwd(), config.boxes)
+        self.residency.sync(managed, self.pools, config.boxes)
 
     def _sync_lines(self, config: Config) -> None:
         """One line per set of upstreams that models join (`shared_lines`). A line whose
@@ -361,6 +378,8 @@ class Gateway:
             await self.cluster.stop()
         for line in self._lines():
             line.close()
+        if self.residency is not None:
+            await self.residency.close()  # no server the gateway started outlives it
         # Every request has finished: its usage is pending. Before the cached connections go,
         # which must be last: a connection put back while the ledger writes would keep a timer.
         await self.ledger.stop()

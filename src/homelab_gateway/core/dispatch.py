@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Generic, TypeVar
 
-from homelab_gateway.core.line import Grant, Line
+from homelab_gateway.core.line import Grant, Line, served_as
 from homelab_gateway.core.replicas import DOWN, UP, Circuit, Sessions, choose
 
 T = TypeVar("T", bound=Hashable)
@@ -39,11 +39,15 @@ class Replica:
     share: float | None = None  # while set, only this fraction of `limit` may be held
     # Of `held`, by client: kept here, so a reload that moves the replica moves the count.
     clients: dict[str, int] = field(default_factory=dict)
+    # False while a model loaded on demand is not loaded, or is held for a swap: no grants.
+    resident: bool = True
 
     @property
     def usable(self) -> int:
-        """The slots that may be held: all of them, or a gateway's fallback share of a shared
-        upstream while it cannot reach the others."""
+        """The slots that may be held: all of them, none while its model is not resident, or a
+        gateway's fallback share of a shared upstream while it cannot reach the others."""
+        if not self.resident:
+            return 0
         return self.limit if self.share is None else int(self.limit * self.share)
 
     @property
@@ -300,6 +304,17 @@ class Dispatch(Generic[T]):
             if candidates:
                 return self._start(item, want, candidates, *self.grant(item, now))
         return None
+
+    def first(self, now: float) -> tuple[int, float] | None:
+        """The first waiter's class as served now (aging included) and its arrival: what the
+        lines of the models on one box are compared by (`core.residency`)."""
+        for _, rank, arrived in self._retries.values():
+            return served_as(rank, arrived, now, self.line.aging), arrived
+        item = self.line.head(now)
+        if item is None:
+            return None
+        _, rank, arrived = self.line.arrived(item)
+        return served_as(rank, arrived, now, self.line.aging), arrived
 
     def grant(self, item: T, now: float) -> tuple[Grant, bool]:
         """Take waiter `item` out, granted, and charge its client as the line does (a retry as

@@ -73,8 +73,9 @@ class ResponseStream:
         self._calls.add(call_id)
         return call_id
 
-    def queue_frame(self, position: int, estimate: float | None) -> bytes:
-        """The frames that tell a waiting stream its place, `response.created` first."""
+    def queue_frame(self, position: int, estimate: float | None, state: str | None = None) -> bytes:
+        """The frames that tell a waiting stream its place (and its model's state while it is
+        not loaded), `response.created` first."""
         events = []
         if self.status is None:
             self.status = "queued"
@@ -82,6 +83,8 @@ class ResponseStream:
         queue: dict[str, Any] = {"type": "queue", "position": position}
         if estimate is not None:
             queue["estimated_wait_s"] = round(estimate, 1)
+        if state is not None:
+            queue["state"] = state
         events.append(self._lifecycle("response.queued", queue=queue))
         return b"".join(map(encode_event, events))
 

@@ -151,6 +151,9 @@ class PositionedSemaphore(DeferredSemaphore):
         self.report_interval = report_interval
         self.max_waiting = dict(max_waiting)
         self.on_health = on_health
+        # Told after every change of who waits or holds a slot: models loaded on demand
+        # (`line.residency`) plan on it. None for an upstream that is always loaded.
+        self.watcher: Callable[[], None] | None = None
         self.dispatch: Dispatch[Any] = Dispatch(
             members, aging=aging, weights=weights, caps=max_in_flight
         )
@@ -198,6 +201,14 @@ class PositionedSemaphore(DeferredSemaphore):
     def count(self) -> None:
         """Bring `limit` and `tokens` up to date with the replicas."""
         self.limit, self.tokens = self.dispatch.slots()
+        if self.watcher is not None:
+            self.watcher()
+
+    def retell(self) -> None:
+        """Tell every listening waiter its place again: what its frame says besides its place
+        (its model's state, `line.residency`) changed."""
+        self._reported.clear()
+        self.tell_all(self.clock.seconds())
 
     def resize(self, limit: int) -> None:
         """Change the number of slots of a line of one replica: more slots are granted at once
@@ -336,6 +347,8 @@ class PositionedSemaphore(DeferredSemaphore):
         FIFO its place is the line's length, with no walk of the order (`python -m bench.burst`:
         5,000 waiters of one client would otherwise walk it once each)."""
         last = self.enqueue(item, request, arrived)
+        if self.watcher is not None:
+            self.watcher()
         if request.listener is not None:
             self._listeners[item] = request.listener
         if not self._listeners:
@@ -368,6 +381,8 @@ class PositionedSemaphore(DeferredSemaphore):
         if moved:
             self.tell_rises(now)
         self.changed()
+        if self.watcher is not None:
+            self.watcher()
 
     def give_back(self, slot: Slot, held: float, now: float) -> None:
         """`slot` is free again after `held` seconds: its client's fair share is settled with

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from twisted.internet.defer import CancelledError, DeferredSemaphore
 from twisted.internet.defer import TimeoutError as DeferredTimeout
@@ -35,6 +36,20 @@ a burst of count_tokens cannot open a connection each, and so are the counts wai
 (`Pool.hold_tokenizer`)."""
 
 
+class OnDemand(Protocol):
+    """An upstream loaded on demand, as the rest of the gateway sees it (`line.residency`)."""
+
+    @property
+    def state(self) -> str:
+        """`loaded`, `loading`, `unloading`, `unloaded` or `failed`."""
+        ...
+
+    @property
+    def load_seconds(self) -> float | None:
+        """How long its last load took, if it was ever loaded."""
+        ...
+
+
 @dataclass(eq=False)
 class Pool:
     """One upstream: its client, its slots and health (`replica`), its kind of server, and its
@@ -50,6 +65,10 @@ class Pool:
         default_factory=lambda: DeferredSemaphore(TOKENIZE_CONCURRENCY)
     )
     counting: Counter[str] = field(default_factory=Counter)  # counts waiting, by client
+    # Loaded on demand (`line.residency`): its server and state; None when always loaded.
+    resident: OnDemand | None = None
+    # While it cools down after failed starts: the answer to every request for it.
+    refusal: GatewayError | None = None
 
     def __post_init__(self) -> None:
         self.replica.owner = self
@@ -123,6 +142,8 @@ async def hold_slot(
     awaiting Deferred removes the waiter from the line. The wait adds to the record's.
     """
     line = pools[0].line
+    if all(p.refusal is not None for p in pools):
+        raise pools[0].refusal  # type: ignore[misc]
     names = "/".join(p.upstream.name for p in pools)
     started = clock.seconds()
     timeout = max(p.queue_timeout for p in pools)

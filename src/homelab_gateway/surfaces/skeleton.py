@@ -14,7 +14,7 @@ resource is given back in a `finally`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from homelab_gateway.core.surfaces import SurfaceRow
 from homelab_gateway.core.text import finite_float, refuse_constant
 from homelab_gateway.line.limiter import PositionListener, Slot
 from homelab_gateway.line.pool import Pool
+from homelab_gateway.line.residency import load_wait, waiting_state
 from homelab_gateway.surfaces.attempts import Retries, Target, answerable, attempts
 from homelab_gateway.surfaces.stream import EventStream
 from homelab_gateway.web.respond import send_error
@@ -200,6 +201,8 @@ class Surface:
                     return await self.whole(request, record, target, mapped)
                 stream = self.event_stream(request, mapped)
                 stream.estimator = target.pools[0].line.estimate
+                if any(pool.resident is not None for pool in target.pools):
+                    on_demand(stream, target.pools, self.settings.clock)
                 await attempts(
                     self.settings.retries,
                     record,
@@ -277,3 +280,21 @@ class Surface:
         raise upstream_http_error(
             response.code, body, retry_after.decode() if retry_after else None
         )
+
+
+def on_demand(stream: EventStream, pools: Sequence[Pool], clock: IReactorTime) -> None:
+    """A waiting stream for a model loaded on demand: its frames say the model's state while it
+    is not loaded, and their estimate adds the load."""
+    line_estimate = stream.estimator
+
+    def estimate(position: int) -> float | None:
+        wait = line_estimate(position) if line_estimate is not None else None
+        if waiting_state(pools) is None:
+            return wait
+        load = load_wait(pools, clock.seconds())
+        if load is None:
+            return wait
+        return load + (wait or 0.0)
+
+    stream.estimator = estimate
+    stream.waiting_state = lambda: waiting_state(pools)

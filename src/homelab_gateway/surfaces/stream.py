@@ -23,15 +23,22 @@ ESTIMATED_QUEUE_FRAME = (
 QUEUE_COMMENT = b': queue {"type":"queue","position":%d}\n\n'
 ESTIMATED_QUEUE_COMMENT = b': queue {"type":"queue","position":%d,"estimated_wait_s":%.1f}\n\n'
 
-QueueFrame = Callable[[int, float | None], bytes]
-"""The bytes that tell a waiting stream its place, given the wait it means, where known."""
+QueueFrame = Callable[[int, float | None, str | None], bytes]
+"""The bytes that tell a waiting stream its place, given the wait it means, where known, and
+its model's state while that is not loaded (a model loaded on demand: "unloaded", "loading")."""
 
 
 def templated(plain: bytes, estimated: bytes) -> QueueFrame:
-    """A `QueueFrame` from two templates, without and with the estimate."""
+    """A `QueueFrame` from two templates, without and with the estimate; a state goes last."""
+    with_state = plain.replace(b"}\n\n", b',"state":"%s"}\n\n')
+    estimated_with_state = estimated.replace(b"}\n\n", b',"state":"%s"}\n\n')
 
-    def frame(position: int, estimate: float | None) -> bytes:
-        return plain % position if estimate is None else estimated % (position, estimate)
+    def frame(position: int, estimate: float | None, state: str | None) -> bytes:
+        if state is None:
+            return plain % position if estimate is None else estimated % (position, estimate)
+        if estimate is None:
+            return with_state % (position, state.encode())
+        return estimated_with_state % (position, estimate, state.encode())
 
     return frame
 
@@ -64,6 +71,7 @@ class EventStream:
         "ping_interval",
         "request",
         "started",
+        "waiting_state",
     )
 
     def __init__(
@@ -90,6 +98,9 @@ class EventStream:
         self._position: int | None = None
         # The wait a position means (`PositionedSemaphore.estimate`), where one is known.
         self.estimator: Callable[[int], float | None] | None = None
+        # Its model's state while not loaded (`line.residency.waiting_state`), if loaded on
+        # demand.
+        self.waiting_state: Callable[[], str | None] | None = None
 
     def send(self, events: list[Event]) -> None:
         if not events:
@@ -113,7 +124,8 @@ class EventStream:
 
     def _queue_frame(self, position: int) -> bytes:
         estimate = self.estimator(position) if self.estimator is not None else None
-        return self._frame(position, estimate)
+        state = self.waiting_state() if self.waiting_state is not None else None
+        return self._frame(position, estimate, state)
 
     def _write(self, frames: bytes) -> None:
         if not self.started:

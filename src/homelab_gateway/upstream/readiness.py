@@ -83,6 +83,8 @@ class Readiness:
 
     async def _probe(self, name: str, pool: Pool) -> None:
         probe = self.probes[name]
+        if pool.resident is not None and pool.resident.state != "loaded":
+            return  # a model loaded on demand is not probed while it is not loaded
         health = await check(pool.upstream, pool.kind)
         listing = pool.kind.listing(pool.upstream.url) if health.ok else None
         if listing is not None:
@@ -104,6 +106,11 @@ class Readiness:
         for name, probe in self.probes.items():
             fresh = probe.at is not None and now - probe.at <= 2 * self.interval
             pool = self.pools.get(name)
+            if pool is not None and pool.resident is not None and pool.resident.state != "loaded":
+                # Loaded on demand: ready to be loaded, unless its starts failed.
+                state = pool.resident.state
+                upstreams[name] = {"ready": state != "failed", "detail": state}
+                continue
             circuit = pool.replica.circuit if pool is not None else None
             ok = probe.ok and fresh and (circuit is None or circuit.state != DOWN)
             detail = probe.detail if fresh or probe.at is None else "no recent probe"

@@ -33,6 +33,7 @@ from homelab_gateway.core.usage import InvalidQuery, parse_query, render_csv
 from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.pool import Pool
+from homelab_gateway.line.residency import boxes_status
 from homelab_gateway.quotas import Quotas
 from homelab_gateway.surfaces.proxy import ReverseProxy
 from homelab_gateway.surfaces.skeleton import Surface, SurfaceSettings
@@ -311,6 +312,8 @@ class GatewayApp:
                 "waiting_by_class": line.line.waiting_by_class(at),
                 "waiting_by_client": line.line.waiting_by_client(),
             }
+            if pool.resident is not None:  # loaded on demand
+                upstreams[name]["state"] = pool.resident.state
         lines = {}
         for model in self.models.values():
             line = self.pools[model.replicas[0]].line
@@ -329,6 +332,9 @@ class GatewayApp:
         clients = self._limited_clients()
         if clients:
             document["clients"] = clients
+        boxes = boxes_status(self.pools)
+        if boxes:
+            document["boxes"] = boxes
         if self.cluster is not None:
             document["cluster"] = {
                 "instance": self.cluster.instance,
