@@ -46,6 +46,7 @@ from homelab_gateway.line.cluster import Cluster
 from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.line.shared import shared_line
+from homelab_gateway.line.tokens import RedisTokens
 from homelab_gateway.quotas import Local, Quotas, Shared
 from homelab_gateway.surfaces.messages import Messages
 from homelab_gateway.surfaces.openai import OpenAISurface
@@ -94,7 +95,7 @@ class Gateway:
         self.models.update(config.models)
         usage = config.usage  # read at start only
         self.ledger = Ledger(usage.database, usage.keep_days, reactor, reactor=reactor)
-        store = Local(reactor) if self.cluster is None else Shared(self.cluster)
+        store = Local(reactor) if self.cluster is None else Shared(RedisTokens(self.cluster))
         self.quotas = Quotas(_quotas(config), store)
         self.telemetry = Telemetry(
             reactor, self.pools, self.cluster, self.ledger, self.quotas, clients=config.clients

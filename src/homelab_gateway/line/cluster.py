@@ -15,9 +15,9 @@ a snapshot (`rebuild`). Nothing blocks the reactor: txredisapi is Twisted-native
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 import txredisapi
@@ -34,9 +34,6 @@ from homelab_gateway.core.liveness import Liveness
 from homelab_gateway.line.limiter import Unavailable
 from homelab_gateway.line.scripts import SHAS, SOURCES
 from homelab_gateway.line.sentinel import Primary
-
-if TYPE_CHECKING:
-    from homelab_gateway.line.shared import RedisSource
 
 log = Logger()
 STREAM_LENGTH = 100_000
@@ -55,6 +52,25 @@ and counts its running requests again first."""
 LINK_FAILURES = (txredisapi.RedisError, ValueError, OSError, ConnectError, TimeoutError)
 """What a lost or refused link to Redis raises (txredisapi says "could not connect" with a
 ValueError); anything else is a bug, logged with its traceback."""
+
+
+class LineCopy(Protocol):
+    """What the cluster asks of each line it links: one gateway's copy of a shared line
+    (`shared.RedisSource`), named by its upstreams (`key`)."""
+
+    key: str
+    member_names: list[str]
+    since: int  # the number of the last event its copy was rebuilt with
+
+    def runs(self, w: str) -> bool: ...
+    def refresh(self) -> None: ...
+    def apply(self, event: Mapping[str, Any]) -> None: ...
+    def applied(self) -> None: ...
+    def lost(self) -> None: ...
+    def outage_over(self, reason: Exception) -> None: ...
+    def rebuild(
+        self, now: float, waiting: Mapping[str, str], slots: Mapping[str, Mapping[str, str]]
+    ) -> None: ...
 
 
 class Watched:
@@ -90,11 +106,11 @@ class Cluster:
         # Unique per process: a gateway restarted under the same name is a new member, so the
         # leftovers of its previous life are swept, not mistaken for its own.
         self.instance = f"{config.instance}/{secrets.token_hex(4)}"
-        self.lines: dict[str, RedisSource] = {}
+        self.lines: dict[str, LineCopy] = {}
         # New lines whose snapshot is on its way, and the events read for them meanwhile:
         # those the snapshot does not count yet are applied after it.
-        self._awaiting: dict[RedisSource, list[dict[str, Any]]] = {}
-        self._calls: dict[str, tuple[list[str], list[Any]]] = {}  # a line's script keys, args
+        self._awaiting: dict[LineCopy, list[dict[str, Any]]] = {}
+        self._calls: dict[LineCopy, tuple[list[str], list[Any]]] = {}  # script keys, args
         self.live = False
         self.lost_at: float | None = None
         self.last_error: str | None = None
@@ -441,12 +457,12 @@ class Cluster:
         self._failed_over = False
         self._epoch = epoch
 
-    def add(self, line: RedisSource) -> None:
+    def add(self, line: LineCopy) -> None:
         """A new line (start, or a reload that grouped upstreams anew): while linked, its copy
         is read from Redis at once, and events it already has are skipped (`since`)."""
         self.lines[line.key] = line
         waiting, slots = self._line_keys(line)
-        self._calls[line.key] = (
+        self._calls[line] = (
             [self.key("events"), self.key("seq"), waiting, self.key("settling"), *slots],
             [
                 STREAM_LENGTH,
@@ -461,7 +477,7 @@ class Cluster:
         else:  # nothing is granted from it until Redis is back, as from the others
             line.lost()
 
-    def _line_keys(self, line: RedisSource) -> tuple[str, list[str]]:
+    def _line_keys(self, line: LineCopy) -> tuple[str, list[str]]:
         """The keys of `line`'s waiters and of its upstreams' slots (see `scripts`)."""
         waiting = self.key("line", line.key, "waiting")
         return waiting, [self.key("upstream", name, "slots") for name in line.member_names]
@@ -470,7 +486,7 @@ class Cluster:
         """The link failed while reading a new line: the reconnection rebuilds every line."""
         self.last_error = failure.getErrorMessage()
 
-    async def rebuild(self, lines: Sequence[RedisSource] | None = None) -> None:
+    async def rebuild(self, lines: Sequence[LineCopy] | None = None) -> None:
         """Read the lines' waiters and slots (every line's by default) and the last event's
         number in one step, and rebuild each copy from them; the stream is then followed from
         that event."""
@@ -514,7 +530,7 @@ class Cluster:
             )
             if not reply:
                 continue
-            touched: dict[RedisSource, None] = {}
+            touched: dict[LineCopy, None] = {}
             for entry_id, fields in reply[0][1]:
                 event = orjson.loads(fields[1])
                 n = int(event["n"])
@@ -540,19 +556,26 @@ class Cluster:
         except txredisapi.ScriptDoesNotExist:
             return await self._commands.eval(SOURCES[name], keys, args)
 
-    def line_call(self, line: RedisSource, script: str, *args: Any) -> Deferred[Any]:
+    def line_call(self, line: LineCopy, script: str, *args: Any) -> Deferred[Any]:
         """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        keys, head = self._calls[line.key]
-        return ensureDeferred(self._eval(script, keys, [*head, *args]))
+        keys, head = self._calls[line]
+        return self.script(script, keys, [*head, *args])
 
-    def tokens_call(self, script: str, client: str, *args: Any) -> Deferred[Any]:
-        """Run `spend` or `spent` on `client`'s tokens (quotas.py)."""
+    def script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Deferred[Any]:
+        """Run script `name` (`scripts`); fails with Unavailable while not linked."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        keys = [self.key("tokens", client), self.key("tokens", client, "total")]
-        return ensureDeferred(self._eval(script, keys, list(args)))
+        return ensureDeferred(self._eval(name, keys, args))
+
+    def remove(self, line: LineCopy) -> None:
+        """`line` is retired (a reload regrouped its upstreams) and nothing runs or waits
+        through it any more: it is neither swept nor replayed from now on."""
+        if self.lines.get(line.key) is line:
+            del self.lines[line.key]
+        self._calls.pop(line, None)
+        self._awaiting.pop(line, None)
 
 
 def _halt(loop: LoopingCall | None) -> None:

@@ -39,6 +39,7 @@ from twisted.python.failure import Failure
 from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import Grant
 from homelab_gateway.core.replicas import UP
+from homelab_gateway.line import wire
 from homelab_gateway.line.cluster import LINK_FAILURES, Cluster
 from homelab_gateway.line.limiter import (
     InProcess,
@@ -97,27 +98,6 @@ def shared_line(
     line = PositionedSemaphore(tokens, clock, **settings)
     line.source = RedisSource(line, clock, cluster)
     return line
-
-
-def _info(request: Request) -> bytes:
-    """What the stream carries of a waiter's request: client, class, replicas, session."""
-    want = request.want
-    fields: dict[str, Any] = {"c": request.client, "k": request.rank}
-    if want is not None:
-        if want.among is not None:
-            fields["a"] = sorted(m.name for m in want.among)
-        if want.avoid:
-            fields["v"] = sorted(m.name for m in want.avoid)
-        if want.session is not None:
-            fields["s"] = want.session
-    if request.retry:
-        fields["f"] = 1
-    return orjson.dumps(fields)
-
-
-def _preferences(ranked: list[Replica]) -> bytes:
-    """The replicas a script may take a slot on, in order, as it reads them: [name, slots, ...]."""
-    return orjson.dumps([x for m in ranked for x in (m.name, m.limit)])
 
 
 class RedisSource:
@@ -183,8 +163,9 @@ class RedisSource:
         # Every argument is made before anything is kept for the waiter: a failure here
         # leaves nothing behind.
         w = self.cluster.new_id()
+        client = request.client
         arrival = "" if arrived is None else repr(arrived)
-        args = (w, _info(request), arrival, _preferences(ranked), self._cap(request.client))
+        args = (w, wire.info(request), arrival, wire.preferences(ranked), self._cap(client))
         self._local[w] = d
         self._ids[d] = w
         self._requests[w] = request
@@ -348,7 +329,7 @@ class RedisSource:
             spare -= 1
             pending[client] = pending.get(client, 0) + 1
             self._claiming.add(w)
-            prefs = _preferences(ranked)
+            prefs = wire.preferences(ranked)
             call = self.cluster.line_call(self, "grant", w, prefs, self._cap(client))
             call.addBoth(self._claimed, w)
             if spare <= 0:
@@ -378,29 +359,19 @@ class RedisSource:
         self.line.count()
         self._claim()
 
-    def _request_of(self, info: Mapping[str, Any], w: str) -> Request:
-        """A waiter's request as the stream carries it, with this gateway's listener if ours."""
-        members = self.line.members
-        names = info.get("a")
-        among = None if names is None else frozenset(m for m in members if m.name in names)
-        avoid = frozenset(m for m in members if m.name in info.get("v", ()))
-        want = self.line.dispatch.want(among, avoid, info.get("s"))
-        own = self._requests.get(w)
-        listener = own.listener if own is not None else None
-        return Request(info["c"], info["k"], want, bool(info.get("f")), listener)
-
     def _on_join(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
         item: Any = self._local.get(w) or Remote(w)
         self._items[w] = item
         self._ids[item] = w
-        request = self._request_of(orjson.loads(event["i"]), w)
+        own = self._requests.get(w)
+        request = wire.request_of(event["i"], self.line.dispatch, own and own.listener)
         self.line.wait(item, request, float(event["a"]), t)
 
     def _on_admit(self, event: Mapping[str, Any], t: float) -> None:
-        info = orjson.loads(event["i"])
-        grant, moved = self.line.line.admit(info["c"], info["k"], t)
-        self._hold(event["w"], event["r"], grant, t, info)
+        asked = wire.grant_of(event["i"])
+        grant, moved = self.line.line.admit(asked.client, asked.rank, t)
+        self._hold(event["w"], event["r"], grant, t, orjson.loads(event["i"]))
         if moved:
             self.line.tell_rises(t)
             self.line.changed()
@@ -411,7 +382,8 @@ class RedisSource:
         item = self._items.pop(w, None)
         moved = False
         if item is None:  # not in this copy (it cannot be, but the slot must count)
-            grant, _ = self.line.line.admit(info["c"], info["k"], t)
+            asked = wire.grant_of(event["i"])
+            grant, _ = self.line.line.admit(asked.client, asked.rank, t)
         else:
             self._ids.pop(item, None)
             grant, moved = self.line.dispatch.grant(item, t)
@@ -481,11 +453,10 @@ class RedisSource:
     def _slot_from(self, w: str, request: str, granted_at: float, replica: Replica) -> Slot:
         """A slot this copy learns from Redis whole (a snapshot, a restore): its request's
         client and class, and no charge to settle."""
-        info = orjson.loads(request)
-        return Slot(self.line, Grant(info["c"], info["k"], 0.0), granted_at, replica, id=w)
+        return Slot(self.line, wire.grant_of(request), granted_at, replica, id=w)
 
     def _restore(self, slot: Slot) -> None:
-        info = orjson.dumps({"c": slot.grant.client, "k": slot.grant.rank})
+        info = wire.grant_info(slot.grant)
         self.cluster.line_call(
             self, "restore", slot.id, slot.replica.name, repr(slot.granted_at), info
         ).addErrback(_ignore)
