@@ -158,7 +158,7 @@ class Gateway:
             members = [self.pools[name].replica for name in names]
             before = {m.line for m in members if m.line is not None}
             line = next(iter(before)) if len(before) == 1 else None
-            if line is None or set(line.members) != set(members):
+            if line is None or not line.serves(members):
                 # Its settings before it adopts anyone: adopting grants what is free.
                 settings = {"on_health": self._health_changed, **_line_settings(config)}
                 if self.cluster is None:

@@ -73,6 +73,24 @@ class LineCopy(Protocol):
     ) -> None: ...
 
 
+class SharedClock:
+    """The reactor's clock, set to Redis's: events are stamped by Redis, and the line compares
+    those stamps with `seconds()` (ageing, hold times, estimates)."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.reactor = reactor
+        self.offset = 0.0
+
+    def seconds(self) -> float:
+        return self.reactor.seconds() + self.offset
+
+    def callLater(self, delay: float, f: Any, *args: Any, **kwargs: Any) -> IDelayedCall:
+        return self.reactor.callLater(delay, f, *args, **kwargs)
+
+    def getDelayedCalls(self) -> Any:
+        return self.reactor.getDelayedCalls()
+
+
 class Watched:
     """A txredisapi connection whose every command is counted by a `Liveness`."""
 
@@ -558,8 +576,8 @@ class Cluster:
 
     def line_call(self, line: LineCopy, script: str, *args: Any) -> Deferred[Any]:
         """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
-        if self._commands is None:
-            return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
+        if line not in self._calls:
+            return fail(Unavailable(f"the shared line {line.key} was retired"))
         keys, head = self._calls[line]
         return self.script(script, keys, [*head, *args])
 

@@ -121,6 +121,7 @@ class Source(Protocol):
     def grant_free(self) -> bool: ...
     def fail_waiting(self, reason: Exception) -> None: ...
     def adopt(self, old: PositionedSemaphore) -> None: ...
+    def serves(self, members: Sequence[Replica]) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -580,6 +581,10 @@ class PositionedSemaphore(DeferredSemaphore):
         old.count()
         self.refresh()
 
+    def serves(self, members: Sequence[Replica]) -> bool:
+        """Whether a fresh start would make this line for `members` (a reload keeps it)."""
+        return set(self.members) == set(members) and self.source.serves(members)
+
     def fail_waiting(self, reason: Exception) -> None:
         """Empty the line, failing every waiter with `reason` (shutdown)."""
         self.source.fail_waiting(reason)
@@ -687,6 +692,9 @@ class InProcess:
             line.take_listener(old, d)
         line.tell_all(now)  # a waiter moved in may go ahead of others, in a plain FIFO too
         line.watch_aging(now)
+
+    def serves(self, members: Sequence[Replica]) -> bool:
+        return True  # a line in process has no key to keep
 
     def close(self) -> None:
         pass

@@ -40,7 +40,7 @@ from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import Grant
 from homelab_gateway.core.replicas import UP
 from homelab_gateway.line import wire
-from homelab_gateway.line.cluster import LINK_FAILURES, Cluster
+from homelab_gateway.line.cluster import LINK_FAILURES, Cluster, SharedClock
 from homelab_gateway.line.limiter import (
     InProcess,
     PositionedSemaphore,
@@ -70,24 +70,6 @@ class Remote:
 
     def __repr__(self) -> str:
         return f"Remote({self.id!r})"
-
-
-class SharedClock:
-    """The reactor's clock, set to Redis's: events are stamped by Redis, and the line compares
-    those stamps with `seconds()` (ageing, hold times, estimates)."""
-
-    def __init__(self, reactor: Any) -> None:
-        self.reactor = reactor
-        self.offset = 0.0
-
-    def seconds(self) -> float:
-        return self.reactor.seconds() + self.offset
-
-    def callLater(self, delay: float, f: Any, *args: Any, **kwargs: Any) -> IDelayedCall:
-        return self.reactor.callLater(delay, f, *args, **kwargs)
-
-    def getDelayedCalls(self) -> Any:
-        return self.reactor.getDelayedCalls()
 
 
 def shared_line(
@@ -122,6 +104,7 @@ class RedisSource:
         self._look_again: IDelayedCall | None = None
         self._replaying = False
         self.since = 0  # the number of the last event its copy was rebuilt with
+        self.retired = False  # a reload regrouped its upstreams: another line took its place
         cluster.add(self)
 
     def _ours(self, w: str) -> bool:
@@ -132,6 +115,21 @@ class RedisSource:
 
     def refresh(self) -> None:
         self.line.refresh()
+        self._drop_if_done()
+
+    def serves(self, members: Sequence[Replica]) -> bool:
+        """Whether its key names `members`: a line's key is always the upstreams it serves."""
+        return sorted(m.name for m in members) == self.member_names
+
+    def _drop_if_done(self) -> None:
+        """A retired line is dropped once nothing runs or waits through it, as this copy
+        sees it up to date: no waiter, no slot, no release still to send."""
+        if not self.retired or not self.cluster.live or self._local or self._slots:
+            return
+        if self.line.waiting or any(key == self.key for key, _ in self.cluster.unsent):
+            return
+        self.cluster.remove(self)
+        self.line.close()
 
     def runs(self, w: str) -> bool:
         """Whether a request of this gateway holds slot `w` through this line."""
@@ -358,6 +356,7 @@ class RedisSource:
         self._replaying = False
         self.line.count()
         self._claim()
+        self._drop_if_done()
 
     def _on_join(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
@@ -678,6 +677,8 @@ class RedisSource:
             self.line.take_listener(old, d)
             self.line.take_over(old, d)
             self._ask(request, arrived, d)
+        source.retired = True  # its key named upstreams of which this line took some
+        source._drop_if_done()
 
     def close(self) -> None:
         if self._look_again is not None and self._look_again.active():
