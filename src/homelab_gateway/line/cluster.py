@@ -43,6 +43,7 @@ READ_BLOCK_MS = 1000  # a blocked read returns at least this often, so a dead li
 WATCH_STEP = 0.25  # seconds between the watchdog's turns (`core.liveness`)
 READ_BATCH = 1000
 BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
+WARN_EVERY = 60.0  # while Redis stays out of reach, a warning at most this often
 SETTLE = BACKOFF[1] + 2.0
 """After Redis lost its data, no slot is granted for at least this long: every gateway that was
 linked reconnects within its longest back-off (plus one attempt: `Cluster.settle`), rebuilds
@@ -130,7 +131,8 @@ class Cluster:
         self._awaiting: dict[LineCopy, list[dict[str, Any]]] = {}
         self._calls: dict[LineCopy, tuple[list[str], list[Any]]] = {}  # script keys, args
         self.live = False
-        self.lost_at: float | None = None
+        self.lost_at: float | None = None  # not linked since (None: linked, or not started)
+        self._warned_at: float | None = None  # the last warning that the link is down
         self.last_error: str | None = None
         self._n = 0
         self._running = False
@@ -186,6 +188,7 @@ class Cluster:
 
     def start(self) -> None:
         self._running = True
+        self.lost_at = self.reactor.seconds()  # down until linked: a status says since when
         self._run = ensureDeferred(self._keep_connected())
 
     async def stop(self) -> None:
@@ -238,6 +241,7 @@ class Cluster:
                 self.live = False
                 return
             self._set_lost()
+            self._still_down()
             await self._disconnect()
             self._pause = deferLater(self.reactor, delay, lambda: None)
             with suppress(CancelledError):  # a stop during the pause
@@ -360,14 +364,14 @@ class Cluster:
         self.live = True
         self._end_grace()
         await self._send_unsent()  # slots given back while rebuilding
-        if self.lost_at is not None:
+        if self.lost_at is not None and self._warned_at is not None:
             log.info(
                 "the shared line at {url} is back after {seconds:.1f}s: its waiters are in "
                 "their places again",
                 url=self._where(),
                 seconds=self.reactor.seconds() - self.lost_at,
             )
-        self.lost_at = None
+        self.lost_at = self._warned_at = None
         self._sweeps_from = self.reactor.seconds() + self.settle
         self._renewal = LoopingCall(self._tick)
         self._renewal.clock = self.reactor
@@ -432,8 +436,35 @@ class Cluster:
             error=self.last_error,
             grace=grace,
         )
+        self._warned_at = self.lost_at
         for line in list(self.lines.values()):
             line.lost()
+
+    def _still_down(self) -> None:
+        """An attempt to reach Redis failed: say so at the first (a cluster that never comes
+        up is not silent) and at most once every `WARN_EVERY` seconds while it lasts."""
+        now = self.reactor.seconds()
+        if self._warned_at is not None and now - self._warned_at < WARN_EVERY:
+            return
+        down = now - (self.lost_at if self.lost_at is not None else now)
+        if self._warned_at is None:
+            log.warn(
+                "cannot reach the shared line at {where} ({error}): {meanwhile} until it is "
+                "up; trying again",
+                where=self._where(),
+                error=self.last_error,
+                meanwhile="this gateway grants its fallback_share of the slots"
+                if self.config.fallback_share
+                else "its requests are refused as overloaded",
+            )
+        else:
+            log.warn(
+                "the shared line at {where} is still out of reach after {seconds:.0f}s ({error})",
+                where=self._where(),
+                seconds=down,
+                error=self.last_error,
+            )
+        self._warned_at = now
 
     def _grace_over(self) -> None:
         self._grace = None
