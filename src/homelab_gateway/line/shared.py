@@ -364,37 +364,35 @@ class RedisSource:
         self._items[w] = item
         self._ids[item] = w
         own = self._requests.get(w)
-        request = wire.request_of(event["i"], self.line.dispatch, own and own.listener)
+        listener = None if own is None else own.listener
+        request = wire.request_of(event["i"], self.line.dispatch, listener)
         self.line.wait(item, request, float(event["a"]), t)
 
     def _on_admit(self, event: Mapping[str, Any], t: float) -> None:
-        asked = wire.grant_of(event["i"])
+        asked = wire.request_of(event["i"], self.line.dispatch, None)
         grant, moved = self.line.line.admit(asked.client, asked.rank, t)
-        self._hold(event["w"], event["r"], grant, t, orjson.loads(event["i"]))
+        self._hold(event["w"], event["r"], grant, t, asked)
         if moved:
             self.line.tell_rises(t)
             self.line.changed()
 
     def _on_grant(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
-        info = orjson.loads(event["i"])
+        asked = wire.request_of(event["i"], self.line.dispatch, None)
         item = self._items.pop(w, None)
         moved = False
         if item is None:  # not in this copy (it cannot be, but the slot must count)
-            asked = wire.grant_of(event["i"])
             grant, _ = self.line.line.admit(asked.client, asked.rank, t)
         else:
             self._ids.pop(item, None)
             grant, moved = self.line.dispatch.grant(item, t)
             self.line.out_of_line(item)
-        self._hold(w, event["r"], grant, t, info)
+        self._hold(w, event["r"], grant, t, asked)
         if moved:
             self.line.tell_rises(t)
         self.line.changed()
 
-    def _hold(
-        self, w: str, replica_name: str, grant: Grant, t: float, info: Mapping[str, Any]
-    ) -> None:
+    def _hold(self, w: str, replica_name: str, grant: Grant, t: float, asked: Request) -> None:
         replica = self._member(replica_name)
         if replica is None:  # an upstream this gateway does not have in this line
             if self._ours(w):  # another gateway's config gave it one: it cannot be used here
@@ -409,7 +407,8 @@ class RedisSource:
                     )
                     d.errback(Unavailable(f"the shared line {self.key} is configured differently"))
             return
-        trial, capped = self.line.dispatch.started(replica, info.get("s"), grant.client)
+        session = asked.want.session if asked.want is not None else None
+        trial, capped = self.line.dispatch.started(replica, session, grant.client)
         slot = Slot(self.line, grant, t, replica, trial, id=w)
         self._slots[w] = slot
         self.line.holding[slot] = None
