@@ -89,3 +89,27 @@ class Regrouped(TestCase):
         self.assertIn(slot.semaphore.source, gateway.cluster.lines.values())  # type: ignore[union-attr]
         slot.release()
         await wait_for(lambda: self.keys(gateway) == self.configured(["u0", "u1"]))
+
+    async def test_a_line_of_the_same_key_as_a_retired_one_keeps_its_running_slot(
+        self,
+    ) -> None:
+        """u1's line is retired while a request holds its slot, then a reload makes a new
+        line "u1": that line's copy counts the slot as running, not as a leftover to give
+        back, and the retired line goes when the request ends."""
+        gateway = await self.gateway(["u0"])
+        running = gateway.pools["u1"].replica.line.acquire_in_line(client="c")
+        await wait_for(lambda: running.called, what="a slot of u1")
+        slot = running.result
+        assert isinstance(slot, Slot) and gateway.cluster is not None
+        for m in (["u0", "u1"], ["u0"]):
+            gateway.reload(parse_config(self.document(m), environ={}))
+        line = gateway.pools["u1"].replica.line
+        self.assertIsNot(line, slot.semaphore)
+        await wait_for(lambda: not gateway.cluster._awaiting, what="the new lines read")  # type: ignore[union-attr]
+        slots = await gateway.cluster._commands.hgetall(f"{self.prefix}upstream:u1:slots")
+        self.assertEqual(list(slots), [slot.id], "the running request's slot was given back")
+        self.assertEqual(gateway.pools["u1"].replica.held, 1)
+        slot.release()
+        await wait_for(lambda: gateway.pools["u1"].replica.held == 0, what="the slot free")
+        await wait_for(lambda: set(gateway.cluster._calls) == set(gateway.cluster.lines.values()))  # type: ignore[union-attr]
+        self.assertEqual(self.keys(gateway), self.configured(["u0"]))

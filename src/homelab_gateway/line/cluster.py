@@ -184,7 +184,7 @@ class Cluster:
     def running(self, w: str) -> bool:
         """Whether a request of this gateway runs on slot `w`, in any of its lines (a reload
         may have moved the slot's upstream to a new line, whose copy then learns it)."""
-        return any(line.runs(w) for line in self.lines.values())
+        return any(line.runs(w) for line in self._calls)  # a retired line's too
 
     def start(self) -> None:
         self._running = True

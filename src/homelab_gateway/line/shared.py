@@ -123,10 +123,16 @@ class RedisSource:
 
     def _drop_if_done(self) -> None:
         """A retired line is dropped once nothing runs or waits through it, as this copy
-        sees it up to date: no waiter, no slot, no release still to send."""
-        if not self.retired or not self.cluster.live or self._local or self._slots:
+        sees it up to date: no waiter, no slot, no release still to send. One that a newer
+        line of its key replaced in the cluster gets no events: only its own count."""
+        if not self.retired or not self.cluster.live or self._local:
             return
-        if self.line.waiting or any(key == self.key for key, _ in self.cluster.unsent):
+        if self.cluster.lines.get(self.key) is self:
+            if self._slots or self.line.waiting:
+                return
+        elif self._mine:
+            return
+        if any(key == self.key for key, _ in self.cluster.unsent):
             return
         self.cluster.remove(self)
         self.line.close()
@@ -227,6 +233,7 @@ class RedisSource:
             self.cluster.unsent[(self.key, slot.id)] = args
 
         self.cluster.line_call(self, "release", slot.id, *args).addErrback(unsent)
+        self._drop_if_done()
 
     def judge(self, slot: Slot, failure: str | None) -> None:
         circuit = slot.replica.circuit
