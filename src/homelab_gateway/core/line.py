@@ -166,10 +166,10 @@ class Line(Generic[T]):
         self._owing: list[tuple[Place, int, _Fifo]] = []
         self._ages: list[tuple[float, int, Waiter[T]]] = []  # (moment, stamp, waiter)
         self._now = -math.inf  # the latest `now` seen: the heads' classes are those at it
-        # For `is_last`: clients waiting more than once, and the highest place put on `_at_v`
-        # since the line was last empty (no live head there is placed higher).
+        # For `is_last`: clients waiting more than once, and the entry of `_at_v` with the
+        # highest place (found again by a walk of `_at_v` once it is stale).
         self._crowded = 0
-        self._highest: Place | tuple[()] = ()
+        self._highest: tuple[Place, int, _Fifo] | None = None
 
     def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
         """New aging and weights (config reload): waiters keep their place in their queues; the
@@ -344,7 +344,7 @@ class Line(Generic[T]):
         elif state.waiting == 1:
             self._crowded -= 1
         if not self._waiters:
-            self._highest = ()
+            self._highest = None
         if not queue:
             queue.stamp = 0  # its entry on a heap of heads is stale
             del state.queues[waiter.rank]
@@ -384,10 +384,10 @@ class Line(Generic[T]):
         self._tidy()
 
     def _push_at_v(self, queue: _Fifo, stamp: int) -> None:
-        at = place(queue.rank, AT_V, queue[0], queue.client, queue)
-        if at > self._highest:
-            self._highest = at
-        heapq.heappush(self._at_v, (at, stamp, queue))
+        entry = (place(queue.rank, AT_V, queue[0], queue.client, queue), stamp, queue)
+        if self._highest is None or entry[0] > self._highest[0]:
+            self._highest = entry
+        heapq.heappush(self._at_v, entry)
 
     def _tidy(self) -> None:
         """Drop the stale entries of the heaps of heads once they outnumber the live ones (and
@@ -456,17 +456,22 @@ class Line(Generic[T]):
 
         The case: no client waits twice (every waiter is a head), nobody waiting owes slot
         time (every start is V, and serving them keeps V), and `item`'s place is the highest
-        put on `_at_v`: everyone else goes before it."""
+        on `_at_v`: everyone else goes before it."""
         if self._crowded:
             return False
         self._at(now)
         self._least()  # drops the stale and the caught-up from `_owing`
         if self._owing:
             return False
+        highest = self._highest
+        if highest is not None and highest[1] != highest[2].stamp:  # its head moved or left
+            highest = self._highest = max(
+                (entry for entry in self._at_v if entry[1] == entry[2].stamp), default=None
+            )
         waiter = self._waiters[item]
         state = self._clients[waiter.client]
         queue = state.queues[waiter.rank]
-        return place(queue.rank, AT_V, waiter, state, queue) == self._highest
+        return highest is not None and place(queue.rank, AT_V, waiter, state, queue) == highest[0]
 
     def order(self, now: float) -> Iterator[T]:
         """Everyone waiting, in the order they would be served if nothing else arrived and no
