@@ -38,18 +38,6 @@ SHARED = frozenset({"attempts", "skeleton", "stream", "translated"})
 """The modules of homelab_gateway.surfaces every surface may use. Each module there is one or
 the other, so a new one is placed by whoever adds it."""
 
-KNOWN = frozenset(
-    {
-        # Imports that break the rules above, removed by the other parts of issue 38 (the
-        # upstream kinds; the line's cluster and shared line; the surface skeleton). Once
-        # those are merged, empty this: the test then fails on any entry left that no longer
-        # exists, and on any of these imports that stays.
-        ("homelab_gateway.line.cluster", "homelab_gateway.line.shared"),
-        ("homelab_gateway.line.shared", "homelab_gateway.line.cluster"),
-    }
-)
-"""(importer, imported): known violations, left out of the graph the rules are checked on."""
-
 Graph = Mapping[str, frozenset[str]]
 
 
@@ -95,14 +83,10 @@ def known_prefix(target: str, modules: Mapping[str, Path]) -> str:
 
 
 def import_graph() -> dict[str, frozenset[str]]:
-    """Importer: what it imports, leaving out itself and the KNOWN violations."""
+    """Importer: what it imports, leaving out itself."""
     modules = module_files()
     return {
-        name: frozenset(
-            target
-            for target in imported(name, path, modules)
-            if target != name and (name, target) not in KNOWN
-        )
+        name: frozenset(target for target in imported(name, path, modules) if target != name)
         for name, path in modules.items()
     }
 
@@ -204,14 +188,6 @@ def test_every_module_of_the_surfaces_is_a_surface_or_shared() -> None:
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
     assert circles(circle_free(GRAPH)) == []
-
-
-def test_every_known_violation_is_still_there() -> None:
-    modules = module_files()
-    present = {
-        (name, target) for name, path in modules.items() for target in imported(name, path, modules)
-    }
-    assert KNOWN - present == set(), "fixed: remove it from KNOWN"
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.quota import WINDOW
 from homelab_gateway.ledger import Ledger
 from homelab_gateway.line.cluster import Cluster
+from homelab_gateway.line.tokens import RedisTokens
 from homelab_gateway.quotas import Local, Quotas, Shared
 from tests.test_ledger import NOON, record
 from testsupport.helpers import wait_for
@@ -139,11 +140,12 @@ class InRedis(TestCase):
             )
             cluster.start()
             self.addCleanup(lambda c=cluster: Deferred.fromCoroutine(c.stop()))
-            gateways.append((cluster, Quotas({"alice": 100}, Shared(cluster))))
+            gateways.append((cluster, Quotas({"alice": 100}, Shared(RedisTokens(cluster)))))
         await wait_for(lambda: all(c.live for c, _ in gateways), what="both linked")
         (one, a), (_, b) = gateways
         a.add(record(client="alice", input_tokens=60, output_tokens=0))
-        await one.tokens_call("spent", "alice", WINDOW, 1)  # after a's spend: one connection
+        # After a's spend: one connection.
+        await RedisTokens(one).tokens_call("spent", "alice", WINDOW, 1)
         await b.check(record(client="alice"))
         self.assertEqual(b.status()["alice"]["tokens_used"], 60, "b sees a's tokens")
         commands, one._commands = one._commands, None  # a cut off from Redis
@@ -177,7 +179,7 @@ class InRedis(TestCase):
         key = f"{prefix}tokens:bob"
         await cluster._commands.rpush(key, [f"{start + i}:1" for i in range(250)])
         await cluster._commands.set(f"{key}:total", 250)
-        quotas = Quotas({"bob": 100}, Shared(cluster))
+        quotas = Quotas({"bob": 100}, Shared(RedisTokens(cluster)))
         try:
             await quotas.check(record(client="bob"))
         except GatewayError as e:

@@ -23,8 +23,9 @@ from homelab_gateway.core import quota
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.usage import HOUR, UsageQuery, charged
-from homelab_gateway.line.cluster import LINK_FAILURES, Cluster
-from homelab_gateway.line.limiter import Unavailable
+from homelab_gateway.line.cluster import LINK_FAILURES
+from homelab_gateway.line.refusals import Unavailable
+from homelab_gateway.line.tokens import RedisTokens
 
 if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
@@ -94,7 +95,7 @@ class Shared:
     """The buckets in the cluster's Redis. Tokens that could not be sent are sent with the
     next spend or check, as spent then."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: RedisTokens) -> None:
         self.cluster = cluster
         self.unsent: dict[str, int] = {}
         self._known: dict[str, int] = {}  # each client's tokens at its last check, and since

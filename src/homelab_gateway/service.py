@@ -49,6 +49,7 @@ from homelab_gateway.line.limiter import PositionedSemaphore, Replica
 from homelab_gateway.line.pool import Pool
 from homelab_gateway.line.residency import Residency
 from homelab_gateway.line.shared import shared_line
+from homelab_gateway.line.tokens import RedisTokens
 from homelab_gateway.quotas import Local, Quotas, Shared
 from homelab_gateway.surfaces.attempts import Retries
 from homelab_gateway.surfaces.proxy import ProxyRoute, ReverseProxy
@@ -99,7 +100,7 @@ class Gateway:
         self.models.update(config.models)
         usage = config.usage  # read at start only
         self.ledger = Ledger(usage.database, usage.keep_days, reactor, reactor=reactor)
-        store = Local(reactor) if self.cluster is None else Shared(self.cluster)
+        store = Local(reactor) if self.cluster is None else Shared(RedisTokens(self.cluster))
         self.quotas = Quotas(_quotas(config), store)
         self.telemetry = Telemetry(
             reactor, self.pools, self.cluster, self.ledger, self.quotas, clients=config.clients
@@ -177,7 +178,7 @@ class Gateway:
             members = [self.pools[name].replica for name in names]
             before = {m.line for m in members if m.line is not None}
             line = next(iter(before)) if len(before) == 1 else None
-            if line is None or set(line.members) != set(members):
+            if line is None or not line.serves(members):
                 # Its settings before it adopts anyone: adopting grants what is free.
                 settings = {"on_health": self._health_changed, **_line_settings(config)}
                 if self.cluster is None:

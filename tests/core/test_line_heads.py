@@ -8,11 +8,13 @@ import math
 import random
 from bisect import bisect_left
 from typing import Any
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import TestCase
 
+from homelab_gateway.core import line as line_module
 from homelab_gateway.core.line import CLASSES, Line, Waiter, aged_at, served_as
 
 
@@ -264,3 +266,72 @@ class HeadsAreTheWalksHeads(TestCase):
         self.assertEqual([line.grant(0.2)[0] for _ in range(3)], ["a1", "b1", "a2"])  # type: ignore[index]
         line.join("c1", "c", 1, 0.2)
         self.assertEqual(line.head(0.2), "b2")
+
+
+def fair_share_first(served: int, start: float, waiter: Any, client: Any, queue: Any) -> Any:
+    """Another policy, for the test that the line follows `place` alone: the fair share
+    between all clients first, the class only between equal starts."""
+    return (start, served, waiter.arrived, client.seq, queue.seq)
+
+
+def walked_place_head(line: Line[Any], now: float) -> Any:
+    """The head by the patched `place`: the least place of every FIFO's head."""
+    heads = [
+        (
+            line_module.place(
+                served_as(q[0].rank, q[0].arrived, now, line.aging),
+                max(line._virtual, state.finish),
+                q[0],
+                state,
+                q,
+            ),
+            q[0].item,
+        )
+        for state in line._clients.values()
+        for q in state.queues.values()
+    ]
+    return min(heads)[1] if heads else None
+
+
+class AnotherPolicy(TestCase):
+    """A new order is a change to `line.place` alone: with another key, the head, grants,
+    order and `is_last` of the heaps follow it, as a walk of every FIFO's head finds it."""
+
+    @settings(max_examples=300)
+    @given(st.lists(op, max_size=100), st.sampled_from([None, 0.5, 3.0]))
+    def test_the_heaps_follow_the_key(self, ops: list[Any], aging: float | None) -> None:
+        with patch.object(line_module, "place", fair_share_first):
+            line: Line[int] = Line(aging=aging, weights={"a": 3.0, "b": 0.5})
+            now, n, grants = 0.0, 0, []
+            for step in ops:
+                kind = step[0]
+                order = list(line.order(now))
+                self.assertEqual(line.head(now), walked_place_head(line, line._now))
+                self.assertEqual(next(iter(order), None), line.head(now))
+                if kind in ("join", "join again"):
+                    n += 1
+                    line.join(n, step[1], step[2], now - (step[3] if len(step) > 3 else 0.0))
+                    if line.is_last(n, now):
+                        self.assertEqual(list(line.order(now))[-1], n)
+                elif kind == "pop":
+                    granted = line.grant(now)
+                    if granted is not None:
+                        grants.append(granted[1])
+                        self.assertEqual([granted[0], *line.order(now)], order)
+                elif kind == "leave" and order:
+                    line.leave(order[step[1] % len(order)])
+                elif kind == "admit":
+                    grants.append(line.admit(step[1], step[2], now)[0])
+                elif kind == "settle" and grants:
+                    line.settle(grants.pop(step[1] % len(grants)), step[2])
+                elif kind == "wait":
+                    now += step[1]
+
+    def test_the_fair_share_goes_before_the_class(self) -> None:
+        with patch.object(line_module, "place", fair_share_first):
+            line: Line[str] = Line()
+            line.admit("a", 0, 0.0)  # a owes a second of slot time
+            line.join("a-interactive", "a", 0, 0.0)
+            line.join("b-batch", "b", 2, 0.0)
+            self.assertEqual(list(line.order(0.0)), ["b-batch", "a-interactive"])
+            self.assertEqual(line.head(0.0), "b-batch")

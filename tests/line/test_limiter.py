@@ -11,7 +11,8 @@ from twisted.trial.unittest import TestCase
 from homelab_gateway.core import line as line_module
 from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import CLASS_RANK
-from homelab_gateway.line.limiter import REPORT_INTERVAL, PositionedSemaphore, QueueFull, Slot
+from homelab_gateway.line.limiter import REPORT_INTERVAL, PositionedSemaphore, Slot
+from homelab_gateway.line.refusals import QueueFull
 from testsupport.helpers import SoonerResetClock
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))

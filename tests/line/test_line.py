@@ -15,7 +15,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.core.line import CLASS_RANK, Line, aged_at, served_as
-from homelab_gateway.line.limiter import ClientQueueFull, PositionedSemaphore, QueueFull, Slot
+from homelab_gateway.line.limiter import PositionedSemaphore, Slot
+from homelab_gateway.line.refusals import ClientQueueFull, QueueFull
 
 INTERACTIVE, NORMAL, BATCH = (CLASS_RANK[c] for c in ("interactive", "normal", "batch"))
 INTERVAL = 0.4
@@ -271,6 +272,18 @@ class GoesLast(TestCase):
             self.assertTrue(line.is_last(i, i * 0.001))
         line.join(2000, "client-7", NORMAL, 2.0)  # a second waiter starts after V
         self.assertFalse(line.is_last(2000, 2.0))
+
+    def test_newcomers_go_last_without_a_walk_again_once_a_worse_class_left(self) -> None:
+        """A batch waiter gave up while others wait: the normal newcomers after it end the
+        order, and are told so without a walk."""
+        line: Line[str] = Line()
+        line.join("batch", "b", BATCH, 0.0)
+        line.join("n0", "c0", NORMAL, 0.0)
+        self.assertFalse(line.is_last("n0", 0.0))
+        line.leave("batch")
+        for i in range(1, 50):
+            line.join(f"n{i}", f"c{i}", NORMAL, float(i))
+            self.assertTrue(line.is_last(f"n{i}", float(i)))
 
     def test_a_client_that_comes_back_behind_a_newer_one_goes_last_without_a_walk(self) -> None:
         """p stays in the table (it owed when it went idle); q, newer, was served since, so V

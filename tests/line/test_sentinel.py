@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
+import time
 from collections.abc import Callable
+from datetime import datetime
+from typing import Any
 
 import txredisapi
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
-from twisted.logger import formatEvent
+from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.config import ClusterConfig
@@ -23,7 +27,14 @@ from homelab_gateway.line.sentinel import SWITCH, Primary, _Watch
 from homelab_gateway.line.shared import shared_line
 from tests.line.test_shared_line import Waiter
 from tests.surfaces.test_proxy import async_test
-from testsupport.helpers import PATIENCE, capture_log, wait_for
+from testsupport.helpers import (
+    PATIENCE,
+    Servers,
+    capture_log,
+    gateway_document,
+    raw_request,
+    wait_for,
+)
 from testsupport.redis_server import RedisServer, SentinelSet
 
 _prefixes = itertools.count()
@@ -289,3 +300,61 @@ class Watch(TestCase):
         self.assertEqual(len(refused), 2, "the watch's connection and the question's")
         gc.collect()
         self.assertEqual(self.flushLoggedErrors(), [])
+
+
+class NeverUp(TestCase):
+    """`sentinels` pointing at a plain Redis: no primary is ever found. Every request is
+    refused; the log says why at start and at most once a minute while it lasts, and the status
+    says since when."""
+
+    async def test_a_cluster_that_never_comes_up_says_so(self) -> None:
+        redis = RedisServer()
+        redis.start()
+        self.addCleanup(redis.close)
+        servers = Servers(self)
+        document = gateway_document("http://127.0.0.1:9/v1")
+        document["cluster"] = {
+            "sentinels": [f"127.0.0.1:{redis.port}"],
+            "sentinel_master": "mymaster",
+            "lease": 0.5,
+        }
+        logged = capture_log(self)
+        servers.start_gateway(document)
+        cluster = servers.gateway.cluster
+        assert cluster is not None
+        attempts: list[float] = []  # attempts to connect begun
+        connect = cluster._connect
+
+        def counted() -> Any:
+            attempts.append(reactor.seconds())
+            return connect()
+
+        cluster._connect = counted  # type: ignore[method-assign]
+        started = time.time()
+        cluster.start()
+
+        def warnings() -> list[str]:
+            return [
+                formatEvent(e)
+                for e in logged
+                if e.get("log_level") == LogLevel.warn and "shared line" in formatEvent(e)
+            ]
+
+        await wait_for(lambda: len(attempts) >= 4, what="three attempts failed")
+        self.assertEqual(len(warnings()), 1, warnings())
+        self.assertIn("cannot reach the shared line", warnings()[0])
+        self.assertIn("refused as overloaded", warnings()[0])
+
+        response = raw_request(servers.gateway_port, "GET", "/llm/v1/status")
+        await response.closed
+        status = json.loads(response.body_text())["cluster"]
+        self.assertEqual(status["redis"], "down")
+        down_since = datetime.fromisoformat(status["down_since"]).timestamp()
+        self.assertLess(abs(down_since - started), 2, status)
+
+        assert cluster._warned_at is not None
+        cluster._warned_at -= 60  # a minute later, and still down
+        tried = len(attempts)
+        await wait_for(lambda: len(attempts) >= tried + 2, what="one more attempt failed")
+        self.assertEqual(len(warnings()), 2, warnings())
+        self.assertIn("still out of reach", warnings()[1])

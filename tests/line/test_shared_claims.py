@@ -15,8 +15,10 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Unavailable
-from homelab_gateway.line.shared import RedisSource, _preferences, shared_line
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica
+from homelab_gateway.line.refusals import Unavailable
+from homelab_gateway.line.shared import RedisSource, shared_line
+from homelab_gateway.line.wire import preferences
 from testsupport.helpers import FakeCluster
 
 
@@ -41,7 +43,7 @@ def walked_claims(line: PositionedSemaphore, now: float) -> list[tuple[str, byte
         ranked = dispatch.ranked(candidates, want.session if want else None)
         budget[ranked[0]] -= 1
         spare -= 1
-        claims.append((w, _preferences(ranked)))
+        claims.append((w, preferences(ranked)))
         if spare <= 0:
             break
     dispatch._turn = turn

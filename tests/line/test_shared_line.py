@@ -20,7 +20,8 @@ from twisted.trial.unittest import TestCase
 from homelab_gateway.config import ClusterConfig
 from homelab_gateway.core.line import CLASS_RANK
 from homelab_gateway.line.cluster import BACKOFF, SETTLE, Cluster
-from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot, Unavailable
+from homelab_gateway.line.limiter import PositionedSemaphore, Replica, Slot
+from homelab_gateway.line.refusals import Unavailable
 from homelab_gateway.line.shared import shared_line
 from tests.surfaces.test_proxy import async_test
 from testsupport.helpers import PATIENCE, PROMPTLY, capture_log, wait_for

@@ -17,6 +17,8 @@ The order, best first:
    granted, so the grant charges the client's running estimate and `settle` corrects it.
 3. **FIFO** within one client and one class.
 
+`place` writes this order as one key, and is the one function to change for another policy.
+
 What can move a waiter *back* (a higher position) matters to the limiter, which must say so at
 once, so the line tells it: `join` moves back only those behind the newcomer; a grant of the
 head moves nobody; `leave`, `settle` and a grant out of turn return whether they may have;
@@ -31,7 +33,7 @@ from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 CLASSES = ("interactive", "normal", "batch")
 DEFAULT_CLASS = "normal"
@@ -72,7 +74,7 @@ class Waiter(Generic[T]):
     item: T
     client: str
     rank: int  # index into CLASSES
-    arrived: float  # also the tie-break within a key; then the queues' order, as in `order`
+    arrived: float  # its place's tie-break (`place`)
 
 
 _item = attrgetter("item")
@@ -111,16 +113,34 @@ class _Fifo(deque[Waiter]):
         self.stamp = 0  # its one live entry on a heap of heads (0: none)
 
 
+Place = tuple[int, float, float, int, int]
+AT_V = -math.inf
+"""The start a head of `Line._at_v` is keyed with: its client starts at V, whatever V becomes,
+and all of them alike, so any one value orders them as V would."""
+
+
+def place(served: int, start: float, waiter: Waiter[Any], client: _Client, queue: _Fifo) -> Place:
+    """Where `waiter`, of `client`'s FIFO `queue`, stands in the line: the least place goes
+    first. `served` is the class it is served as now (aging included), `start` its client's
+    next start in the fair share (`max(V, finish)`). The order of the module docstring, ties
+    broken by the clients' and then the FIFOs' creation order.
+
+    `Line` keeps places in heaps and replays them, which needs two things of this key: a place
+    never goes down as `start` grows (V and the finishes only grow), and the order of two
+    places with one start does not depend on that start."""
+    return (served, start, waiter.arrived, client.seq, queue.seq)
+
+
 class Line(Generic[T]):
     """Who is served next, and in what order everyone waiting would be served.
 
-    The head of the line is the least key `(class, start, arrived, client seq, FIFO seq)` of
-    the FIFOs' heads. Two heaps of heads keep it, so that a grant does not walk every client
+    The head of the line is the least `place` of the FIFOs' heads. Two heaps of heads keep it,
+    entries `(place, stamp, FIFO)`, so that a grant does not walk every client
     (`python -m bench.line`: 5,000 distinct clients waiting once each):
 
     - `_at_v` holds the heads whose client starts at the virtual time V (its finish is not
-      past it), keyed without the start, since it is V for all of them, whatever V becomes;
-    - `_owing` the others, keyed with their start, their client's finish.
+      past it), placed with the start `AT_V`, since it is V for all of them, whatever V becomes;
+    - `_owing` the others, placed with their start, their client's finish.
 
     V only grows, so a head can only have to move from `_owing` to `_at_v`, when it surfaces.
     A changed head, class or finish pushes a new entry under a new stamp; the older one is
@@ -142,16 +162,14 @@ class Line(Generic[T]):
         self._busy = 0  # clients with a waiter
         self._created = 0  # clients and FIFOs created: their `seq`
         self._stamps = 0  # entries pushed on the heaps: their stamp, unique
-        self._at_v: list[tuple[int, float, int, int, int, _Fifo]] = []
-        self._owing: list[tuple[int, float, float, int, int, int, _Fifo]] = []
+        self._at_v: list[tuple[Place, int, _Fifo]] = []
+        self._owing: list[tuple[Place, int, _Fifo]] = []
         self._ages: list[tuple[float, int, Waiter[T]]] = []  # (moment, stamp, waiter)
         self._now = -math.inf  # the latest `now` seen: the heads' classes are those at it
-        # For `is_last`: clients waiting more than once, waiters per class, the latest arrival
-        # and how many joined at it.
+        # For `is_last`: clients waiting more than once, and the entry of `_at_v` with the
+        # highest place (found again by a walk of `_at_v` once it is stale).
         self._crowded = 0
-        self._by_rank = [0] * len(CLASSES)
-        self._latest = -math.inf
-        self._at_latest = 0
+        self._highest: tuple[Place, int, _Fifo] | None = None
 
     def configure(self, *, aging: float | None, weights: Mapping[str, float]) -> None:
         """New aging and weights (config reload): waiters keep their place in their queues; the
@@ -224,11 +242,6 @@ class Line(Generic[T]):
         state.waiting += 1
         if state.waiting == 2:
             self._crowded += 1
-        self._by_rank[rank] += 1
-        if now > self._latest:
-            self._latest, self._at_latest = now, 1
-        elif now == self._latest:
-            self._at_latest += 1
         return last
 
     def leave(self, item: T) -> bool:
@@ -330,7 +343,8 @@ class Line(Generic[T]):
             self._busy -= 1
         elif state.waiting == 1:
             self._crowded -= 1
-        self._by_rank[waiter.rank] -= 1
+        if not self._waiters:
+            self._highest = None
         if not queue:
             queue.stamp = 0  # its entry on a heap of heads is stale
             del state.queues[waiter.rank]
@@ -362,22 +376,25 @@ class Line(Generic[T]):
         self._stamps += 1
         stamp = queue.stamp = self._stamps
         state = queue.client
-        arrived = queue[0].arrived
         if state.finish <= self._virtual:
-            heapq.heappush(self._at_v, (queue.rank, arrived, state.seq, queue.seq, stamp, queue))
+            self._push_at_v(queue, stamp)
         else:
-            heapq.heappush(
-                self._owing,
-                (queue.rank, state.finish, arrived, state.seq, queue.seq, stamp, queue),
-            )
+            at = place(queue.rank, state.finish, queue[0], state, queue)
+            heapq.heappush(self._owing, (at, stamp, queue))
         self._tidy()
+
+    def _push_at_v(self, queue: _Fifo, stamp: int) -> None:
+        entry = (place(queue.rank, AT_V, queue[0], queue.client, queue), stamp, queue)
+        if self._highest is None or entry[0] > self._highest[0]:
+            self._highest = entry
+        heapq.heappush(self._at_v, entry)
 
     def _tidy(self) -> None:
         """Drop the stale entries of the heaps of heads once they outnumber the live ones (and
         64): the heaps stay O(q) for q FIFOs."""
         if len(self._at_v) + len(self._owing) > 2 * self._queues + 64:
-            self._at_v = [entry for entry in self._at_v if entry[-2] == entry[-1].stamp]
-            self._owing = [entry for entry in self._owing if entry[-2] == entry[-1].stamp]
+            self._at_v = [entry for entry in self._at_v if entry[1] == entry[2].stamp]
+            self._owing = [entry for entry in self._owing if entry[1] == entry[2].stamp]
             heapq.heapify(self._at_v)
             heapq.heapify(self._owing)
 
@@ -414,19 +431,22 @@ class Line(Generic[T]):
         virtual = self._virtual
         at_v, owing = self._at_v, self._owing
         while owing:
-            top = owing[0]
-            if top[-2] != top[-1].stamp:
+            _, stamp, queue = owing[0]
+            if stamp != queue.stamp:
                 heapq.heappop(owing)
-            elif top[1] <= virtual:  # its client starts at V now
+            elif queue.client.finish <= virtual:  # its client starts at V now
                 heapq.heappop(owing)
-                heapq.heappush(at_v, (top[0], *top[2:]))
+                self._push_at_v(queue, stamp)
             else:
                 break
-        while at_v and at_v[0][-2] != at_v[0][-1].stamp:
+        while at_v and at_v[0][1] != at_v[0][2].stamp:
             heapq.heappop(at_v)
-        if at_v and (not owing or at_v[0][0] <= owing[0][0]):
-            return at_v[0][-1]
-        return owing[0][-1] if owing else None
+        if not at_v:
+            return owing[0][2] if owing else None
+        queue = at_v[0][2]
+        if owing and place(queue.rank, virtual, queue[0], queue.client, queue) > owing[0][0]:
+            return owing[0][2]
+        return queue
 
     def is_last(self, item: T, now: float) -> bool:
         """Whether `order(now)` ends with the newcomer `item`, answered without a walk of the
@@ -434,19 +454,24 @@ class Line(Generic[T]):
         line's length (`python -m bench.burst --distinct`: 5,000 clients waiting once each
         would otherwise walk the order once each).
 
-        The case: no client waits twice, nobody of a worse class waits, nobody waiting owes
-        slot time (every start is V, and serving them keeps V), and `item` arrived last (on a
-        tie, its client is the newest): everyone else goes before it."""
-        waiter = self._waiters[item]
-        if self._crowded or waiter.arrived < self._latest:
+        The case: no client waits twice (every waiter is a head), nobody waiting owes slot
+        time (every start is V, and serving them keeps V), and `item`'s place is the highest
+        on `_at_v`: everyone else goes before it."""
+        if self._crowded:
             return False
-        rank = served_as(waiter.rank, waiter.arrived, self._at(now), self.aging)
-        if any(self._by_rank[rank + 1 :]):
-            return False
-        if self._at_latest > 1 and next(reversed(self._clients)) != waiter.client:
-            return False
+        self._at(now)
         self._least()  # drops the stale and the caught-up from `_owing`
-        return not self._owing
+        if self._owing:
+            return False
+        highest = self._highest
+        if highest is not None and highest[1] != highest[2].stamp:  # its head moved or left
+            highest = self._highest = max(
+                (entry for entry in self._at_v if entry[1] == entry[2].stamp), default=None
+            )
+        waiter = self._waiters[item]
+        state = self._clients[waiter.client]
+        queue = state.queues[waiter.rank]
+        return highest is not None and place(queue.rank, AT_V, waiter, state, queue) == highest[0]
 
     def order(self, now: float) -> Iterator[T]:
         """Everyone waiting, in the order they would be served if nothing else arrived and no
@@ -463,80 +488,76 @@ class Line(Generic[T]):
 
     def _replay(self, now: float) -> Iterator[T]:
         """Replay `grant` on the heaps without changing them: a frontier heap holds their
-        entries reached so far, each under a lower bound of its key (V and the finishes only
-        grow); children enter when their parent leaves, so each heap's order is kept. An entry
-        whose key grew goes back under its true key; the FIFOs the replay took from, and the
-        clients it charged, are kept aside (`taken`, `finish`)."""
+        entries reached so far, each under a lower bound of its place (V and the finishes only
+        grow): a live head of `_at_v` its place at the replay's V, any other entry the place it
+        was pushed with. Children enter when their parent leaves, so each heap's order is kept.
+        An entry whose place grew goes back under its true place; the FIFOs the replay took
+        from, and the clients it charged, are kept aside (`taken`, `finish`)."""
         virtual, aging = self._virtual, self.aging
         at_v, owing = self._at_v, self._owing
         finish: dict[int, float] = {}  # id of a client charged in the replay -> its finish
         taken: dict[int, int] = {}  # id of a FIFO the replay took from -> how many
-        tick = 0  # a unique last key, so that entries never compare their FIFOs
-        # (class, start, arrived, client seq, FIFO seq, tick, source, where): source 0 and 1
-        # are `_at_v` and `_owing` at index `where`, 2 a FIFO (`where`) the replay moved on.
-        frontier: list[tuple[int, float, float, int, int, int, int, object]] = []
+        tick = 0  # a unique second key, so that entries never compare their FIFOs
+        # (place, tick, source, where): source 0 and 1 are `_at_v` and `_owing` at index
+        # `where`, 2 a FIFO (`where`) the replay moved on.
+        frontier: list[tuple[Place, int, int, object]] = []
 
         def reach(source: int, index: int) -> None:
             nonlocal tick
             heap = owing if source else at_v
             if index >= len(heap):
                 return
-            entry = heap[index]
+            bound, stamp, queue = heap[index]
+            if not source and stamp == queue.stamp:
+                bound = place(queue.rank, virtual, queue[0], queue.client, queue)
             tick += 1
-            if not source:
-                key = (entry[0], virtual, *entry[1:4])
-            elif entry[1] > virtual:
-                key = entry[:5]
-            else:  # its client starts at V: below every key of its class, whatever it arrived
-                key = (entry[0], virtual, -math.inf, 0, 0)
-            heapq.heappush(frontier, (*key, tick, source, index))
+            heapq.heappush(frontier, (bound, tick, source, index))
 
-        def keyed(queue: _Fifo, at: int) -> tuple[int, float, float, int, int]:
-            state, waiter = queue.client, queue[at]
-            start = max(virtual, finish.get(id(state), state.finish))
-            rank = served_as(waiter.rank, waiter.arrived, now, self.aging)
-            return (rank, start, waiter.arrived, state.seq, queue.seq)
+        def start_of(state: _Client) -> float:
+            return max(virtual, finish.get(id(state), state.finish))
+
+        def placed(queue: _Fifo, at: int, start: float) -> Place:
+            waiter = queue[at]
+            rank = served_as(waiter.rank, waiter.arrived, now, aging)
+            return place(rank, start, waiter, queue.client, queue)
 
         reach(0, 0)
         reach(1, 0)
         while frontier:
             top = frontier[0]
-            source, where = top[6], top[7]
-            if source == 2:  # a FIFO the replay moved on: its class and arrival are exact
+            source, where = top[2], top[3]
+            if source == 2:  # a FIFO the replay moved on
                 queue = where  # type: ignore[assignment]
                 at = taken[id(queue)]
-                state = queue.client
-                start = max(virtual, finish.get(id(state), state.finish))
-                if start != top[1]:  # its client was charged meanwhile: back under its start
+                start = start_of(queue.client)
+                key = placed(queue, at, start)
+                if key != top[0]:  # its client was charged meanwhile: back under its place
                     tick += 1
-                    heapq.heapreplace(frontier, (top[0], start, *top[2:5], tick, 2, queue))
+                    heapq.heapreplace(frontier, (key, tick, 2, queue))
                     continue
-                key = top
             else:
                 heapq.heappop(frontier)
                 reach(source, 2 * where + 1)  # type: ignore[operator]
                 reach(source, 2 * where + 2)  # type: ignore[operator]
-                entry = (owing if source else at_v)[where]  # type: ignore[index]
-                queue, at = entry[-1], 0
-                if entry[-2] != queue.stamp or id(queue) in taken:  # stale, or replayed aside
+                _, stamp, queue = (owing if source else at_v)[where]  # type: ignore[index]
+                at = 0
+                if stamp != queue.stamp or id(queue) in taken:  # stale, or replayed aside
                     continue
-                key = keyed(queue, at)
-                if key > top[:5]:  # its bound was low: back under its true key
+                start = start_of(queue.client)
+                key = placed(queue, at, start)
+                if key > top[0]:  # its bound was low: back under its true place
                     tick += 1
-                    heapq.heappush(frontier, (*key, tick, 2, queue))
+                    heapq.heappush(frontier, (key, tick, 2, queue))
                     taken[id(queue)] = 0
                     continue
             yield queue[at].item
             state = queue.client
-            virtual = key[1]
-            finish[id(state)] = key[1] + state.estimate / state.weight
+            virtual = start
+            finish[id(state)] = start + state.estimate / state.weight
             taken[id(queue)] = at + 1
             if at + 1 < len(queue):  # its next waiter takes its place (still the top, if 2)
                 tick += 1
-                after = queue[at + 1]
-                rank = served_as(after.rank, after.arrived, now, aging)
-                start = virtual if virtual > finish[id(state)] else finish[id(state)]
-                entry = (rank, start, after.arrived, state.seq, queue.seq, tick, 2, queue)
+                entry = (placed(queue, at + 1, start_of(state)), tick, 2, queue)
                 if source == 2:
                     heapq.heapreplace(frontier, entry)
                 else:

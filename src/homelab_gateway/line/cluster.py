@@ -15,9 +15,9 @@ a snapshot (`rebuild`). Nothing blocks the reactor: txredisapi is Twisted-native
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 import txredisapi
@@ -31,12 +31,9 @@ from twisted.logger import Logger
 
 from homelab_gateway.config import ClusterConfig
 from homelab_gateway.core.liveness import Liveness
-from homelab_gateway.line.limiter import Unavailable
+from homelab_gateway.line.refusals import Unavailable
 from homelab_gateway.line.scripts import SHAS, SOURCES
 from homelab_gateway.line.sentinel import Primary
-
-if TYPE_CHECKING:
-    from homelab_gateway.line.shared import RedisSource
 
 log = Logger()
 STREAM_LENGTH = 100_000
@@ -46,6 +43,7 @@ READ_BLOCK_MS = 1000  # a blocked read returns at least this often, so a dead li
 WATCH_STEP = 0.25  # seconds between the watchdog's turns (`core.liveness`)
 READ_BATCH = 1000
 BACKOFF = (0.2, 5.0)  # first and longest wait between attempts to reach Redis
+WARN_EVERY = 60.0  # while Redis stays out of reach, a warning at most this often
 SETTLE = BACKOFF[1] + 2.0
 """After Redis lost its data, no slot is granted for at least this long: every gateway that was
 linked reconnects within its longest back-off (plus one attempt: `Cluster.settle`), rebuilds
@@ -55,6 +53,43 @@ and counts its running requests again first."""
 LINK_FAILURES = (txredisapi.RedisError, ValueError, OSError, ConnectError, TimeoutError)
 """What a lost or refused link to Redis raises (txredisapi says "could not connect" with a
 ValueError); anything else is a bug, logged with its traceback."""
+
+
+class LineCopy(Protocol):
+    """What the cluster asks of each line it links: one gateway's copy of a shared line
+    (`shared.RedisSource`), named by its upstreams (`key`)."""
+
+    key: str
+    member_names: list[str]
+    since: int  # the number of the last event its copy was rebuilt with
+
+    def runs(self, w: str) -> bool: ...
+    def refresh(self) -> None: ...
+    def apply(self, event: Mapping[str, Any]) -> None: ...
+    def applied(self) -> None: ...
+    def lost(self) -> None: ...
+    def outage_over(self, reason: Exception) -> None: ...
+    def rebuild(
+        self, now: float, waiting: Mapping[str, str], slots: Mapping[str, Mapping[str, str]]
+    ) -> None: ...
+
+
+class SharedClock:
+    """The reactor's clock, set to Redis's: events are stamped by Redis, and the line compares
+    those stamps with `seconds()` (ageing, hold times, estimates)."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.reactor = reactor
+        self.offset = 0.0
+
+    def seconds(self) -> float:
+        return self.reactor.seconds() + self.offset
+
+    def callLater(self, delay: float, f: Any, *args: Any, **kwargs: Any) -> IDelayedCall:
+        return self.reactor.callLater(delay, f, *args, **kwargs)
+
+    def getDelayedCalls(self) -> Any:
+        return self.reactor.getDelayedCalls()
 
 
 class Watched:
@@ -90,13 +125,14 @@ class Cluster:
         # Unique per process: a gateway restarted under the same name is a new member, so the
         # leftovers of its previous life are swept, not mistaken for its own.
         self.instance = f"{config.instance}/{secrets.token_hex(4)}"
-        self.lines: dict[str, RedisSource] = {}
+        self.lines: dict[str, LineCopy] = {}
         # New lines whose snapshot is on its way, and the events read for them meanwhile:
         # those the snapshot does not count yet are applied after it.
-        self._awaiting: dict[RedisSource, list[dict[str, Any]]] = {}
-        self._calls: dict[str, tuple[list[str], list[Any]]] = {}  # a line's script keys, args
+        self._awaiting: dict[LineCopy, list[dict[str, Any]]] = {}
+        self._calls: dict[LineCopy, tuple[list[str], list[Any]]] = {}  # script keys, args
         self.live = False
-        self.lost_at: float | None = None
+        self.lost_at: float | None = None  # not linked since (None: linked, or not started)
+        self._warned_at: float | None = None  # the last warning that the link is down
         self.last_error: str | None = None
         self._n = 0
         self._running = False
@@ -148,10 +184,11 @@ class Cluster:
     def running(self, w: str) -> bool:
         """Whether a request of this gateway runs on slot `w`, in any of its lines (a reload
         may have moved the slot's upstream to a new line, whose copy then learns it)."""
-        return any(line.runs(w) for line in self.lines.values())
+        return any(line.runs(w) for line in self._calls)  # a retired line's too
 
     def start(self) -> None:
         self._running = True
+        self.lost_at = self.reactor.seconds()  # down until linked: a status says since when
         self._run = ensureDeferred(self._keep_connected())
 
     async def stop(self) -> None:
@@ -204,6 +241,7 @@ class Cluster:
                 self.live = False
                 return
             self._set_lost()
+            self._still_down()
             await self._disconnect()
             self._pause = deferLater(self.reactor, delay, lambda: None)
             with suppress(CancelledError):  # a stop during the pause
@@ -326,14 +364,14 @@ class Cluster:
         self.live = True
         self._end_grace()
         await self._send_unsent()  # slots given back while rebuilding
-        if self.lost_at is not None:
+        if self.lost_at is not None and self._warned_at is not None:
             log.info(
                 "the shared line at {url} is back after {seconds:.1f}s: its waiters are in "
                 "their places again",
                 url=self._where(),
                 seconds=self.reactor.seconds() - self.lost_at,
             )
-        self.lost_at = None
+        self.lost_at = self._warned_at = None
         self._sweeps_from = self.reactor.seconds() + self.settle
         self._renewal = LoopingCall(self._tick)
         self._renewal.clock = self.reactor
@@ -398,8 +436,35 @@ class Cluster:
             error=self.last_error,
             grace=grace,
         )
+        self._warned_at = self.lost_at
         for line in list(self.lines.values()):
             line.lost()
+
+    def _still_down(self) -> None:
+        """An attempt to reach Redis failed: say so at the first (a cluster that never comes
+        up is not silent) and at most once every `WARN_EVERY` seconds while it lasts."""
+        now = self.reactor.seconds()
+        if self._warned_at is not None and now - self._warned_at < WARN_EVERY:
+            return
+        down = now - (self.lost_at if self.lost_at is not None else now)
+        if self._warned_at is None:
+            log.warn(
+                "cannot reach the shared line at {where} ({error}): {meanwhile} until it is "
+                "up; trying again",
+                where=self._where(),
+                error=self.last_error,
+                meanwhile="this gateway grants its fallback_share of the slots"
+                if self.config.fallback_share
+                else "its requests are refused as overloaded",
+            )
+        else:
+            log.warn(
+                "the shared line at {where} is still out of reach after {seconds:.0f}s ({error})",
+                where=self._where(),
+                seconds=down,
+                error=self.last_error,
+            )
+        self._warned_at = now
 
     def _grace_over(self) -> None:
         self._grace = None
@@ -441,12 +506,12 @@ class Cluster:
         self._failed_over = False
         self._epoch = epoch
 
-    def add(self, line: RedisSource) -> None:
+    def add(self, line: LineCopy) -> None:
         """A new line (start, or a reload that grouped upstreams anew): while linked, its copy
         is read from Redis at once, and events it already has are skipped (`since`)."""
         self.lines[line.key] = line
         waiting, slots = self._line_keys(line)
-        self._calls[line.key] = (
+        self._calls[line] = (
             [self.key("events"), self.key("seq"), waiting, self.key("settling"), *slots],
             [
                 STREAM_LENGTH,
@@ -461,7 +526,7 @@ class Cluster:
         else:  # nothing is granted from it until Redis is back, as from the others
             line.lost()
 
-    def _line_keys(self, line: RedisSource) -> tuple[str, list[str]]:
+    def _line_keys(self, line: LineCopy) -> tuple[str, list[str]]:
         """The keys of `line`'s waiters and of its upstreams' slots (see `scripts`)."""
         waiting = self.key("line", line.key, "waiting")
         return waiting, [self.key("upstream", name, "slots") for name in line.member_names]
@@ -470,7 +535,7 @@ class Cluster:
         """The link failed while reading a new line: the reconnection rebuilds every line."""
         self.last_error = failure.getErrorMessage()
 
-    async def rebuild(self, lines: Sequence[RedisSource] | None = None) -> None:
+    async def rebuild(self, lines: Sequence[LineCopy] | None = None) -> None:
         """Read the lines' waiters and slots (every line's by default) and the last event's
         number in one step, and rebuild each copy from them; the stream is then followed from
         that event."""
@@ -514,7 +579,7 @@ class Cluster:
             )
             if not reply:
                 continue
-            touched: dict[RedisSource, None] = {}
+            touched: dict[LineCopy, None] = {}
             for entry_id, fields in reply[0][1]:
                 event = orjson.loads(fields[1])
                 n = int(event["n"])
@@ -540,19 +605,26 @@ class Cluster:
         except txredisapi.ScriptDoesNotExist:
             return await self._commands.eval(SOURCES[name], keys, args)
 
-    def line_call(self, line: RedisSource, script: str, *args: Any) -> Deferred[Any]:
+    def line_call(self, line: LineCopy, script: str, *args: Any) -> Deferred[Any]:
         """Run one of the line scripts for `line`; fails with Unavailable while not linked."""
-        if self._commands is None:
-            return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        keys, head = self._calls[line.key]
-        return ensureDeferred(self._eval(script, keys, [*head, *args]))
+        if line not in self._calls:
+            return fail(Unavailable(f"the shared line {line.key} was retired"))
+        keys, head = self._calls[line]
+        return self.script(script, keys, [*head, *args])
 
-    def tokens_call(self, script: str, client: str, *args: Any) -> Deferred[Any]:
-        """Run `spend` or `spent` on `client`'s tokens (quotas.py)."""
+    def script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Deferred[Any]:
+        """Run script `name` (`scripts`); fails with Unavailable while not linked."""
         if self._commands is None:
             return fail(Unavailable(f"the shared line at {self._where()} is unreachable"))
-        keys = [self.key("tokens", client), self.key("tokens", client, "total")]
-        return ensureDeferred(self._eval(script, keys, list(args)))
+        return ensureDeferred(self._eval(name, keys, args))
+
+    def remove(self, line: LineCopy) -> None:
+        """`line` is retired (a reload regrouped its upstreams) and nothing runs or waits
+        through it any more: it is neither swept nor replayed from now on."""
+        if self.lines.get(line.key) is line:
+            del self.lines[line.key]
+        self._calls.pop(line, None)
+        self._awaiting.pop(line, None)
 
 
 def _halt(loop: LoopingCall | None) -> None:

@@ -34,6 +34,7 @@ from homelab_gateway.core.dispatch import Dispatch, Replica, Start, Want
 from homelab_gateway.core.estimate import HoldTimes, Waits
 from homelab_gateway.core.line import CLASS_RANK, DEFAULT_CLASS, Grant, Line
 from homelab_gateway.core.replicas import DOWN, UP, Sessions
+from homelab_gateway.line.refusals import ClientQueueFull, QueueFull
 
 PositionListener = Callable[[int], None]
 HealthListener = Callable[[Replica, str, "str | None"], None]  # replica, new state, reason
@@ -42,24 +43,6 @@ NORMAL = CLASS_RANK[DEFAULT_CLASS]
 REPORT_INTERVAL = 1.0
 """How long a fall in position may wait to be told: while the line moves a waiter gets about one
 queue frame per second of waiting, and its position is never more than a second behind."""
-
-
-class QueueFull(Exception):
-    """The queue already holds `queue_limit` waiters."""
-
-
-class Unavailable(Exception):
-    """The line is shared through Redis and Redis cannot be reached: no slot can be granted
-    without risking the cap (`shared.RedisSource`)."""
-
-
-class ClientQueueFull(QueueFull):
-    """This client already has `max_waiting` waiters; others may still queue."""
-
-    def __init__(self, client: str, limit: int) -> None:
-        super().__init__(client, limit)
-        self.client = client
-        self.limit = limit
 
 
 @dataclass(eq=False)
@@ -121,6 +104,7 @@ class Source(Protocol):
     def grant_free(self) -> bool: ...
     def fail_waiting(self, reason: Exception) -> None: ...
     def adopt(self, old: PositionedSemaphore) -> None: ...
+    def serves(self, members: Sequence[Replica]) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -595,6 +579,10 @@ class PositionedSemaphore(DeferredSemaphore):
         old.count()
         self.refresh()
 
+    def serves(self, members: Sequence[Replica]) -> bool:
+        """Whether a fresh start would make this line for `members` (a reload keeps it)."""
+        return set(self.members) == set(members) and self.source.serves(members)
+
     def fail_waiting(self, reason: Exception) -> None:
         """Empty the line, failing every waiter with `reason` (shutdown)."""
         self.source.fail_waiting(reason)
@@ -702,6 +690,9 @@ class InProcess:
             line.take_listener(old, d)
         line.tell_all(now)  # a waiter moved in may go ahead of others, in a plain FIFO too
         line.watch_aging(now)
+
+    def serves(self, members: Sequence[Replica]) -> bool:
+        return True  # a line in process has no key to keep
 
     def close(self) -> None:
         pass

@@ -15,15 +15,8 @@ from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.line import CLASS_RANK, CLASSES, DEFAULT_CLASS
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP
-from homelab_gateway.line.limiter import (
-    ClientQueueFull,
-    PositionedSemaphore,
-    PositionListener,
-    QueueFull,
-    Replica,
-    Slot,
-    Unavailable,
-)
+from homelab_gateway.line.limiter import PositionedSemaphore, PositionListener, Replica, Slot
+from homelab_gateway.line.refusals import ClientQueueFull, QueueFull, Unavailable
 from homelab_gateway.upstream.client import Upstream
 from homelab_gateway.upstream.kinds import KINDS, Kind
 

@@ -79,13 +79,26 @@ class Primary:
                 password=self.config.sentinel_password,
                 convertNumbers=False,
             )
-            self._sentinels.discovery_timeout = self.config.lease
             for (host, port), sentinel in zip(
                 self.config.sentinels, self._sentinels.sentinels, strict=True
             ):  # `_connected`: the factory's Deferred of its first connection (txredisapi 1.6)
                 sentinel._connected.addErrback(self._refused, f"{host}:{port}")
-        host, port = await self._sentinels.discover_master(self.config.sentinel_master)
-        return str(host), int(port)
+        # txredisapi's `discover_master`, with a timer that a cancelled attempt (a stop)
+        # cancels too: the first Sentinel to name a primary in a good state is believed.
+        name, sentinels = self.config.sentinel_master, self._sentinels
+        found: Deferred[tuple[str, int]] = Deferred()
+
+        def answered(masters: dict[str, Any]) -> None:
+            state = masters.get(name)
+            if not found.called and state and sentinels.check_master_state(state):
+                found.callback((str(state["ip"]), int(state["port"])))
+
+        for sentinel in sentinels.sentinels:
+            sentinel.sentinel_masters().addCallbacks(answered, lambda _: None)
+        try:
+            return await found.addTimeout(self.config.lease, self.reactor)
+        except DeferredTimeout:
+            raise txredisapi.MasterNotFoundError(f"No master found for {name}") from None
 
     async def watch(self) -> None:
         """Subscribed to a Sentinel's switches, within a lease (TimeoutError if not): asked

@@ -39,14 +39,10 @@ from twisted.python.failure import Failure
 from homelab_gateway.core.dispatch import Replica
 from homelab_gateway.core.line import Grant
 from homelab_gateway.core.replicas import UP
-from homelab_gateway.line.cluster import LINK_FAILURES, Cluster
-from homelab_gateway.line.limiter import (
-    InProcess,
-    PositionedSemaphore,
-    Request,
-    Slot,
-    Unavailable,
-)
+from homelab_gateway.line import wire
+from homelab_gateway.line.cluster import LINK_FAILURES, Cluster, SharedClock
+from homelab_gateway.line.limiter import InProcess, PositionedSemaphore, Request, Slot
+from homelab_gateway.line.refusals import Unavailable
 
 log = Logger()
 CLAIM_RETRY = 0.2
@@ -71,24 +67,6 @@ class Remote:
         return f"Remote({self.id!r})"
 
 
-class SharedClock:
-    """The reactor's clock, set to Redis's: events are stamped by Redis, and the line compares
-    those stamps with `seconds()` (ageing, hold times, estimates)."""
-
-    def __init__(self, reactor: Any) -> None:
-        self.reactor = reactor
-        self.offset = 0.0
-
-    def seconds(self) -> float:
-        return self.reactor.seconds() + self.offset
-
-    def callLater(self, delay: float, f: Any, *args: Any, **kwargs: Any) -> IDelayedCall:
-        return self.reactor.callLater(delay, f, *args, **kwargs)
-
-    def getDelayedCalls(self) -> Any:
-        return self.reactor.getDelayedCalls()
-
-
 def shared_line(
     tokens: Sequence[Replica], reactor: Any, *, cluster: Cluster, **settings: Any
 ) -> PositionedSemaphore:
@@ -97,27 +75,6 @@ def shared_line(
     line = PositionedSemaphore(tokens, clock, **settings)
     line.source = RedisSource(line, clock, cluster)
     return line
-
-
-def _info(request: Request) -> bytes:
-    """What the stream carries of a waiter's request: client, class, replicas, session."""
-    want = request.want
-    fields: dict[str, Any] = {"c": request.client, "k": request.rank}
-    if want is not None:
-        if want.among is not None:
-            fields["a"] = sorted(m.name for m in want.among)
-        if want.avoid:
-            fields["v"] = sorted(m.name for m in want.avoid)
-        if want.session is not None:
-            fields["s"] = want.session
-    if request.retry:
-        fields["f"] = 1
-    return orjson.dumps(fields)
-
-
-def _preferences(ranked: list[Replica]) -> bytes:
-    """The replicas a script may take a slot on, in order, as it reads them: [name, slots, ...]."""
-    return orjson.dumps([x for m in ranked for x in (m.name, m.limit)])
 
 
 class RedisSource:
@@ -142,6 +99,7 @@ class RedisSource:
         self._look_again: IDelayedCall | None = None
         self._replaying = False
         self.since = 0  # the number of the last event its copy was rebuilt with
+        self.retired = False  # a reload regrouped its upstreams: another line took its place
         cluster.add(self)
 
     def _ours(self, w: str) -> bool:
@@ -152,6 +110,27 @@ class RedisSource:
 
     def refresh(self) -> None:
         self.line.refresh()
+        self._drop_if_done()
+
+    def serves(self, members: Sequence[Replica]) -> bool:
+        """Whether its key names `members`: a line's key is always the upstreams it serves."""
+        return sorted(m.name for m in members) == self.member_names
+
+    def _drop_if_done(self) -> None:
+        """A retired line is dropped once nothing runs or waits through it, as this copy
+        sees it up to date: no waiter, no slot, no release still to send. One that a newer
+        line of its key replaced in the cluster gets no events: only its own count."""
+        if not self.retired or not self.cluster.live or self._local:
+            return
+        if self.cluster.lines.get(self.key) is self:
+            if self._slots or self.line.waiting:
+                return
+        elif self._mine:
+            return
+        if any(key == self.key for key, _ in self.cluster.unsent):
+            return
+        self.cluster.remove(self)
+        self.line.close()
 
     def runs(self, w: str) -> bool:
         """Whether a request of this gateway holds slot `w` through this line."""
@@ -183,8 +162,9 @@ class RedisSource:
         # Every argument is made before anything is kept for the waiter: a failure here
         # leaves nothing behind.
         w = self.cluster.new_id()
+        client = request.client
         arrival = "" if arrived is None else repr(arrived)
-        args = (w, _info(request), arrival, _preferences(ranked), self._cap(request.client))
+        args = (w, wire.info(request), arrival, wire.preferences(ranked), self._cap(client))
         self._local[w] = d
         self._ids[d] = w
         self._requests[w] = request
@@ -248,6 +228,7 @@ class RedisSource:
             self.cluster.unsent[(self.key, slot.id)] = args
 
         self.cluster.line_call(self, "release", slot.id, *args).addErrback(unsent)
+        self._drop_if_done()
 
     def judge(self, slot: Slot, failure: str | None) -> None:
         circuit = slot.replica.circuit
@@ -348,7 +329,7 @@ class RedisSource:
             spare -= 1
             pending[client] = pending.get(client, 0) + 1
             self._claiming.add(w)
-            prefs = _preferences(ranked)
+            prefs = wire.preferences(ranked)
             call = self.cluster.line_call(self, "grant", w, prefs, self._cap(client))
             call.addBoth(self._claimed, w)
             if spare <= 0:
@@ -377,53 +358,43 @@ class RedisSource:
         self._replaying = False
         self.line.count()
         self._claim()
-
-    def _request_of(self, info: Mapping[str, Any], w: str) -> Request:
-        """A waiter's request as the stream carries it, with this gateway's listener if ours."""
-        members = self.line.members
-        names = info.get("a")
-        among = None if names is None else frozenset(m for m in members if m.name in names)
-        avoid = frozenset(m for m in members if m.name in info.get("v", ()))
-        want = self.line.dispatch.want(among, avoid, info.get("s"))
-        own = self._requests.get(w)
-        listener = own.listener if own is not None else None
-        return Request(info["c"], info["k"], want, bool(info.get("f")), listener)
+        self._drop_if_done()
 
     def _on_join(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
         item: Any = self._local.get(w) or Remote(w)
         self._items[w] = item
         self._ids[item] = w
-        request = self._request_of(orjson.loads(event["i"]), w)
+        own = self._requests.get(w)
+        listener = None if own is None else own.listener
+        request = wire.request_of(event["i"], self.line.dispatch, listener)
         self.line.wait(item, request, float(event["a"]), t)
 
     def _on_admit(self, event: Mapping[str, Any], t: float) -> None:
-        info = orjson.loads(event["i"])
-        grant, moved = self.line.line.admit(info["c"], info["k"], t)
-        self._hold(event["w"], event["r"], grant, t, info)
+        asked = wire.request_of(event["i"], self.line.dispatch, None)
+        grant, moved = self.line.line.admit(asked.client, asked.rank, t)
+        self._hold(event["w"], event["r"], grant, t, asked)
         if moved:
             self.line.tell_rises(t)
             self.line.changed()
 
     def _on_grant(self, event: Mapping[str, Any], t: float) -> None:
         w = event["w"]
-        info = orjson.loads(event["i"])
+        asked = wire.request_of(event["i"], self.line.dispatch, None)
         item = self._items.pop(w, None)
         moved = False
         if item is None:  # not in this copy (it cannot be, but the slot must count)
-            grant, _ = self.line.line.admit(info["c"], info["k"], t)
+            grant, _ = self.line.line.admit(asked.client, asked.rank, t)
         else:
             self._ids.pop(item, None)
             grant, moved = self.line.dispatch.grant(item, t)
             self.line.out_of_line(item)
-        self._hold(w, event["r"], grant, t, info)
+        self._hold(w, event["r"], grant, t, asked)
         if moved:
             self.line.tell_rises(t)
         self.line.changed()
 
-    def _hold(
-        self, w: str, replica_name: str, grant: Grant, t: float, info: Mapping[str, Any]
-    ) -> None:
+    def _hold(self, w: str, replica_name: str, grant: Grant, t: float, asked: Request) -> None:
         replica = self._member(replica_name)
         if replica is None:  # an upstream this gateway does not have in this line
             if self._ours(w):  # another gateway's config gave it one: it cannot be used here
@@ -438,7 +409,8 @@ class RedisSource:
                     )
                     d.errback(Unavailable(f"the shared line {self.key} is configured differently"))
             return
-        trial, capped = self.line.dispatch.started(replica, info.get("s"), grant.client)
+        session = asked.want.session if asked.want is not None else None
+        trial, capped = self.line.dispatch.started(replica, session, grant.client)
         slot = Slot(self.line, grant, t, replica, trial, id=w)
         self._slots[w] = slot
         self.line.holding[slot] = None
@@ -481,11 +453,10 @@ class RedisSource:
     def _slot_from(self, w: str, request: str, granted_at: float, replica: Replica) -> Slot:
         """A slot this copy learns from Redis whole (a snapshot, a restore): its request's
         client and class, and no charge to settle."""
-        info = orjson.loads(request)
-        return Slot(self.line, Grant(info["c"], info["k"], 0.0), granted_at, replica, id=w)
+        return Slot(self.line, wire.grant_of(request), granted_at, replica, id=w)
 
     def _restore(self, slot: Slot) -> None:
-        info = orjson.dumps({"c": slot.grant.client, "k": slot.grant.rank})
+        info = wire.grant_info(slot.grant)
         self.cluster.line_call(
             self, "restore", slot.id, slot.replica.name, repr(slot.granted_at), info
         ).addErrback(_ignore)
@@ -707,6 +678,8 @@ class RedisSource:
             self.line.take_listener(old, d)
             self.line.take_over(old, d)
             self._ask(request, arrived, d)
+        source.retired = True  # its key named upstreams of which this line took some
+        source._drop_if_done()
 
     def close(self) -> None:
         if self._look_again is not None and self._look_again.active():
