@@ -96,7 +96,7 @@ def test_waiting_by_client_has_the_same_labels() -> None:
     clock = Clock()
     line = Line(clock, {"frontend": 2, "key-0a1b2c3d": 1, "10.0.0.7": 3, "10.0.0.8": 1})
     replica = SimpleNamespace(limit=2, held=2, circuit=SimpleNamespace(state=UP))
-    pools: Any = {"vllm": SimpleNamespace(line=line, replica=replica)}
+    pools: Any = {"vllm": SimpleNamespace(line=line, replica=replica, resident=None)}
     telemetry = Telemetry(clock, pools, clients={"frontend"})
     assert labels(telemetry, "homelab_gateway_queue_waiting_by_client") == {
         ("frontend", "vllm"): 2,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from homelab_gateway.core.record import RequestRecord
 from homelab_gateway.core.replicas import UP
 from homelab_gateway.core.usage import charged, counted
+from homelab_gateway.line.residency import Resident, boxes_status
 
 if TYPE_CHECKING:
     from homelab_gateway.ledger import Ledger
@@ -93,7 +94,7 @@ class _SlotCollector(Collector):
                 clients[label] = clients.get(label, 0) + count
             for label, count in clients.items():
                 by_client.add_metric([name, label], count)
-        families = [slots, in_use, up, waiting, by_class, by_client]
+        families = [slots, in_use, up, waiting, by_class, by_client, *self._residency()]
         if self._cluster is not None:
             linked = GaugeMetricFamily(
                 "homelab_gateway_cluster_up",
@@ -103,6 +104,46 @@ class _SlotCollector(Collector):
             linked.add_metric([], 1 if self._cluster.live else 0)
             families.append(linked)
         return families
+
+    def _residency(self) -> list[Any]:
+        """Models loaded on demand: loads and unloads by upstream, the seconds loads took,
+        which are resident, and each box's memory in use; nothing without managed upstreams."""
+        residents = [p.resident for p in self._pools.values() if isinstance(p.resident, Resident)]
+        if not residents:
+            return []
+        loads = CounterMetricFamily(
+            "homelab_gateway_model_loads",
+            "Loads of an upstream loaded on demand, begun (its server started or woken)",
+            labels=["upstream"],
+        )
+        unloads = CounterMetricFamily(
+            "homelab_gateway_model_unloads",
+            "Unloads of an upstream loaded on demand, begun (idle, or its memory wanted)",
+            labels=["upstream"],
+        )
+        seconds = SummaryMetricFamily(
+            "homelab_gateway_model_load_seconds",
+            "Seconds from a server's start until its health probe answered",
+            labels=["upstream"],
+        )
+        resident = GaugeMetricFamily(
+            "homelab_gateway_upstream_resident",
+            "1 while an upstream loaded on demand is loaded, 0 otherwise",
+            labels=["upstream"],
+        )
+        for r in residents:
+            loads.add_metric([r.name], r.loads)
+            unloads.add_metric([r.name], r.unloads)
+            seconds.add_metric([r.name], r.loaded, r.load_seconds_total)
+            resident.add_metric([r.name], 1 if r.state == "loaded" else 0)
+        used = GaugeMetricFamily(
+            "homelab_gateway_box_memory_used",
+            "Memory of a box held by its models: loaded, loading or unloading",
+            labels=["box"],
+        )
+        for box, entry in boxes_status(self._pools).items():
+            used.add_metric([box], float(entry["used"]))  # type: ignore[arg-type]
+        return [loads, unloads, seconds, resident, used]
 
 
 class Telemetry:

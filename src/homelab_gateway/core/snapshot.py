@@ -147,6 +147,9 @@ def build(
     cluster = status.get("cluster")
     if isinstance(cluster, Mapping):  # lines shared through Redis: this gateway and its link
         snapshot["cluster"] = dict(cluster)
+    boxes = status.get("boxes")
+    if isinstance(boxes, Mapping):  # models loaded on demand: each box's memory and models
+        snapshot["boxes"] = dict(boxes)
     lines = status.get("models")
     if isinstance(lines, Mapping):
         snapshot["models"] = {

@@ -44,7 +44,10 @@ class Resident:
         self.failed_starts = 0  # in a row
         self.cool_until: float | None = None
         self.new_start: tuple[str, ...] | None = None  # a reload's, once nothing runs
-        self.loads = 0
+        # Since the gateway started, for the metrics: loads begun, unloads begun, and the
+        # loads that ended loaded with the seconds they took.
+        self.loads = self.unloads = self.loaded = 0
+        self.load_seconds_total = 0.0
         self.server = self._server(config)
         pool.resident = self
         pool.replica.resident = False
@@ -222,6 +225,7 @@ class Residency:
         else:
             why = f"another model on box {box.name} needs its memory"
         log.info("{upstream}: unloading ({why})", upstream=r.name, why=why)
+        r.unloads += 1
         r.server.unload().addErrback(lambda _: None)
 
     def _restart(self, r: Resident) -> None:
@@ -254,6 +258,8 @@ class Residency:
             r.loaded_at = now
             r.failed_starts = 0
             seconds = r.server.load_seconds
+            r.loaded += 1
+            r.load_seconds_total += seconds or 0.0
             log.info(
                 "{upstream}: loaded{took}",
                 upstream=r.name,

@@ -102,6 +102,7 @@ function upstreamCard(name, entry) {
   fill.style.width = slots ? Math.min(100, (100 * inUse) / slots) + "%" : "0";
   const card = el("article", { class: "card upstream", "data-upstream": name },
     el("h3", {}, name), healthBadge(entry),
+    entry.state ? el("span", { class: "state", "data-state": entry.state }, entry.state) : null,
     el("div", { class: "models" }, (entry.models || []).join(", ") || "no model"),
     el("div", {
       class: "bar", role: "meter", "aria-label": `${name} slots in use`,
@@ -117,6 +118,21 @@ function upstreamCard(name, entry) {
   }
   card.append(lineBlock(entry));
   return card;
+}
+
+function boxCard(name, box) {
+  // A box's accelerator memory: what its models hold (loaded, loading, unloading), and which
+  // are loaded now.
+  const fill = el("div", { class: "fill" });
+  fill.style.width = box.memory ? Math.min(100, (100 * box.used) / box.memory) + "%" : "0";
+  return el("article", { class: "card box", "data-box": name },
+    el("h3", {}, name),
+    el("div", { class: "bar", role: "meter", "aria-label": `${name} memory in use`,
+      "aria-valuemin": 0, "aria-valuemax": box.memory, "aria-valuenow": box.used }, fill),
+    el("div", { class: "slots" }, el("b", { class: "used" }, number(box.used)), " / ",
+      number(box.memory), " memory held"),
+    el("div", { class: "models loaded" },
+      box.loaded.length ? "loaded: " + box.loaded.join(", ") : "nothing loaded"));
 }
 
 function modelCard(name, entry) {
@@ -192,6 +208,9 @@ function render(snapshot) {
       "keeps its own usage ledger." : "";
   $("upstreams").replaceChildren(
     ...Object.entries(snapshot.upstreams || {}).map(([name, entry]) => upstreamCard(name, entry)));
+  const boxes = snapshot.boxes || {};
+  $("box-section").hidden = !Object.keys(boxes).length;
+  $("boxes").replaceChildren(...Object.entries(boxes).map(([name, box]) => boxCard(name, box)));
   const models = snapshot.models;
   $("model-section").hidden = !models || !Object.keys(models).length;
   if (models) $("models").replaceChildren(...Object.entries(models).map(([n, e]) => modelCard(n, e)));
