@@ -124,6 +124,19 @@ def test_an_instruction_never_separates_a_call_from_its_results() -> None:
     render(folded)
 
 
+def test_a_system_message_without_content_is_an_empty_instruction() -> None:
+    """Chat completions pass a client's messages unchecked: one with no `content` at all is
+    an instruction with no text, as null content is, not a KeyError."""
+    assert first_only(
+        [
+            {"role": "system"},
+            {"role": "developer", "content": "d"},
+            {"role": "user", "content": "hi"},
+            {"role": "system"},
+        ]
+    ) == [{"role": "system", "content": "d"}, {"role": "user", "content": "hi"}]
+
+
 def test_a_trailing_instruction_after_an_answer_is_a_user_turn() -> None:
     folded = first_only(
         [

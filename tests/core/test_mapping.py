@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from homelab_gateway.config import ConfigError, ModelConfig, parse_config
 from homelab_gateway.core.fields import InvalidRequest
+from homelab_gateway.core.instructions import marked
 from homelab_gateway.core.mapping import find_model, map_request
 
 MODEL = ModelConfig(name="reasoning", upstream="vllm", upstream_model="Qwen/QwQ-32B")
@@ -70,13 +71,36 @@ def test_system_string_and_blocks_with_cache_control() -> None:
     assert mapped(system=blocks)["messages"][0] == {"role": "system", "content": "a\n\nb"}
 
 
-def test_system_role_inside_messages_maps_in_place() -> None:
+def test_a_system_role_inside_messages_is_folded_into_the_user_turn_beside_it() -> None:
+    """Qwen3.5's and the Llama, Gemma and Mistral templates refuse a system message in place:
+    its text goes into the user turn before it, marked, and the leading system stays first."""
     messages = [
         {"role": "user", "content": "a"},
-        {"role": "system", "content": "rule"},
+        {"role": "system", "content": [{"type": "text", "text": "rule"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "next"},
         {"role": "user", "content": "b"},
     ]
-    assert [m["role"] for m in mapped(messages=messages)["messages"]] == ["user", "system", "user"]
+    assert mapped(system="s", messages=messages)["messages"] == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a\n\n" + marked("rule")},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": marked("next") + "\n\nb"},
+    ]
+
+
+def test_a_system_role_between_a_tool_call_and_its_result_follows_the_result() -> None:
+    call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "done"}
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [call]},
+        {"role": "system", "content": "mind the time"},
+        {"role": "user", "content": [result]},
+    ]
+    out = mapped(messages=messages)["messages"]
+    assert [m["role"] for m in out] == ["user", "assistant", "tool"]
+    assert out[2]["content"] == "done\n\n" + marked("mind the time")
 
 
 def test_user_blocks_text_and_images() -> None:
@@ -426,7 +450,8 @@ def test_a_recorded_claude_code_request_maps() -> None:
     )
     out = map_request(body, model)
     assert out.stream and out.body["max_tokens"] == 8192
-    assert [m["role"] for m in out.body["messages"]] == ["system", "user", "system"]
+    assert [m["role"] for m in out.body["messages"]] == ["system", "user"]
+    assert out.body["messages"][1]["content"].endswith(marked(body["messages"][1]["content"]))
     assert len(out.body["tools"]) == len(body["tools"]) == 24
     assert out.body["chat_template_kwargs"] == {"enable_thinking": True}
     assert out.body["reasoning_effort"] == "high"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.errors import GatewayError
 from homelab_gateway.core.fields import InvalidRequest
+from homelab_gateway.core.instructions import marked
 from homelab_gateway.core.openai import (
     StreamRelay,
     WholeRelay,
@@ -228,6 +229,33 @@ def test_a_streamed_request_asks_for_usage_keeping_the_clients_options() -> None
     assert not request.include_usage
     whole = mapped("chat", {"messages": messages, "stream": None})
     assert "stream_options" not in sent(whole) and not whole.packed.stream
+
+
+LATE_SYSTEM = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "hi"},
+    {"role": "developer", "content": "be brief"},
+]
+
+
+def test_a_chat_passes_its_messages_as_sent_by_default() -> None:
+    body = {"messages": LATE_SYSTEM, "stream": False}
+    assert sent(mapped("chat", body))["messages"] == LATE_SYSTEM
+
+
+def test_a_model_that_takes_system_messages_first_gets_the_later_ones_folded() -> None:
+    first = ModelConfig(name="local", upstream="vllm", upstream_model="q", system_messages="first")
+    messages = sent(mapped("chat", {"messages": LATE_SYSTEM}, first))["messages"]
+    assert messages == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "hi\n\n" + marked("be brief")},
+    ]
+    assert LATE_SYSTEM[1] == {"role": "user", "content": "hi"}  # the client's left unchanged
+    # embeddings' `messages` are no conversation: passed as sent
+    embedded = sent(mapped("embeddings", {"messages": LATE_SYSTEM}, first))["messages"]
+    assert embedded == LATE_SYSTEM
+    with pytest.raises(InvalidRequest, match=r"^messages\.1\.content: must be a string"):
+        mapped("chat", {"messages": [LATE_SYSTEM[0], {"role": "user", "content": 5}]}, first)
 
 
 def test_a_clients_priority_never_reaches_the_upstream() -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.fields import InvalidRequest
+from homelab_gateway.core.instructions import marked
 from homelab_gateway.core.response_stream import ResponseStream
 from homelab_gateway.core.response_tools import INPUT_SCHEMA, Offered
 from homelab_gateway.core.responses import ResponsesRequest, map_responses
@@ -67,9 +68,39 @@ def test_instructions_and_the_opening_developer_messages_become_one_system_messa
     )
     assert out["messages"] == [
         {"role": "system", "content": "Be brief.\n\nUse tools.\n\nSys."},
-        {"role": "user", "content": "hi"},
-        {"role": "system", "content": "Later."},
+        {"role": "user", "content": "hi\n\n" + marked("Later.")},
     ]
+
+
+def test_a_later_developer_message_is_folded_never_between_a_call_and_its_outputs() -> None:
+    """Codex's developer items mid-conversation: templates refuse a system message in place,
+    so the text joins the turn beside it; the calls on either side stay one message."""
+    out = upstream(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"role": "developer", "content": "mind the time"},
+                {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {"type": "function_call_output", "call_id": "c2", "output": "two"},
+                {"role": "assistant", "content": "done"},
+                {"role": "system", "content": "be brief"},
+            ],
+        }
+    )
+    assert [m["role"] for m in out["messages"]] == [
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert [c["id"] for c in out["messages"][1]["tool_calls"]] == ["c1", "c2"]
+    assert out["messages"][3]["content"] == "two\n\n" + marked("mind the time")
+    assert out["messages"][5] == {"role": "user", "content": marked("be brief")}
 
 
 def test_a_codex_turn_maps_calls_outputs_and_drops_reasoning() -> None:

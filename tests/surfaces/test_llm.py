@@ -16,10 +16,12 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 from twisted.web.test.requesthelper import DummyRequest
 
+from homelab_gateway.core.instructions import marked
 from homelab_gateway.core.translator import UpstreamDecoder
 from homelab_gateway.upstream.connections import UpstreamPool
 from homelab_gateway.web.channel import GatewaySite, WireLimits, send_at_once
 from homelab_gateway.web.respond import send_json
+from tests.core.test_instructions import render
 from tests.surfaces.test_proxy import async_test
 from testsupport.grammar import check_stream
 from testsupport.helpers import (
@@ -724,6 +726,27 @@ class BillingHeaderKept(UpstreamBodies):
         self.assertTrue(self.bodies[0]["messages"][0]["content"].startswith(header))
         usage = next(d for _, d in response.frames())["message"]["usage"]
         self.assertEqual(usage["cache_read_input_tokens"], 0)  # the header is the 2nd token
+
+
+class MidConversationInstructions(UpstreamBodies):
+    @async_test
+    async def test_a_system_message_inside_messages_reaches_the_upstream_folded(self) -> None:
+        """As Claude Code sends it: a system message after the user's turn. Qwen3.5's template
+        refuses it in place; the upstream gets one system message, first, and the text."""
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "next"},
+            {"role": "system", "content": "mind the time"},
+        ]
+        response = await self.post(chat(system="be kind", messages=messages))
+        frames = [data for _, data in response.frames()]
+        self.assertEqual(check_stream(frames, allow_queue=False), "complete")
+        sent = self.bodies[-1]["messages"]
+        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "user"])
+        self.assertEqual(sent[0], {"role": "system", "content": "be kind"})
+        self.assertEqual(sent[3]["content"], "next\n\n" + marked("mind the time"))
+        render(sent)  # the strict template takes it
 
 
 class Overflow(LLMSurface):

@@ -13,10 +13,12 @@ import pytest
 from twisted.trial.unittest import TestCase
 
 from homelab_gateway.core.errors import GatewayError
+from homelab_gateway.core.instructions import marked
 from homelab_gateway.core.openai import StreamRelay
 from homelab_gateway.surfaces.openai import early_failure
 from homelab_gateway.web.access import AccessPolicy
 from homelab_gateway.web.channel import WireLimits
+from tests.core.test_instructions import render
 from tests.surfaces.test_proxy import async_test
 from testsupport.helpers import (
     Servers,
@@ -195,6 +197,39 @@ class Streaming(OpenAISurface):
         metrics = raw_request(self.port, "GET", "/metrics")
         await metrics.closed
         self.assertIn('surface="chat"', metrics.body_text())
+
+
+LATE_SYSTEM = [
+    {"role": "system", "content": "be kind"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "developer", "content": "mind the time"},
+]
+
+
+class SystemMessagesAsSent(OpenAISurface):
+    @async_test
+    async def test_a_chats_messages_reach_the_upstream_as_the_client_wrote_them(self) -> None:
+        response = await self.post(chat(messages=LATE_SYSTEM))
+        self.assertEqual(response.status, 200, response.body_text())
+        self.assertEqual(self.bodies[-1]["messages"], LATE_SYSTEM)
+
+
+class SystemMessagesFirst(OpenAISurface):
+    gateway_overrides = {"model": {"system_messages": "first"}}
+
+    @async_test
+    async def test_a_later_system_message_reaches_the_upstream_folded(self) -> None:
+        """For a model whose template refuses a system message in place (Qwen3.5's): one
+        system message, first, and the later one's text as a user turn of its own, since an
+        assistant turn comes before it."""
+        response = await self.post(chat(messages=LATE_SYSTEM))
+        self.assertEqual(response.status, 200, response.body_text())
+        self.assertEqual(
+            self.bodies[-1]["messages"],
+            [*LATE_SYSTEM[:3], {"role": "user", "content": marked("mind the time")}],
+        )
+        render(self.bodies[-1]["messages"])  # the strict template takes it
 
 
 class Whole(OpenAISurface):

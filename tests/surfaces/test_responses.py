@@ -8,7 +8,9 @@ import json
 from typing import Any
 
 from homelab_gateway.core.errors import GatewayError, upstream_http_error
+from homelab_gateway.core.instructions import marked
 from homelab_gateway.surfaces.responses import failure_code
+from tests.core.test_instructions import render
 from tests.surfaces.test_openai import OpenAISurface
 from tests.surfaces.test_proxy import async_test
 from testsupport.helpers import raw_request, wait_for
@@ -126,6 +128,28 @@ class Streaming(Responses):
         check_response(document)
         self.assertEqual((document["status"], document["metadata"]), ("completed", {"k": "v"}))
         self.assertEqual(document["output"][-1]["type"], "message")
+
+
+class MidConversationInstructions(Responses):
+    @async_test
+    async def test_a_later_developer_item_reaches_the_upstream_folded(self) -> None:
+        """As Codex sends it: a developer item after the user's turn, which Qwen3.5's template
+        refuses in place; the upstream gets one system message, first, and the text."""
+        turn = [
+            {"role": "developer", "content": "be kind"},
+            {"role": "user", "content": "hi"},
+            {"role": "developer", "content": [{"type": "input_text", "text": "mind the time"}]},
+        ]
+        events = await self.stream(ask(turn, instructions="rules"))  # type: ignore[arg-type]
+        self.assertEqual(check_stream(events), "response.completed")
+        self.assertEqual(
+            self.bodies[-1]["messages"],
+            [
+                {"role": "system", "content": "rules\n\nbe kind"},
+                {"role": "user", "content": "hi\n\n" + marked("mind the time")},
+            ],
+        )
+        render(self.bodies[-1]["messages"])  # the strict template takes it
 
 
 class Errors(Responses):

@@ -43,7 +43,7 @@ def first_only(messages: list[Message]) -> list[Message]:
     for message in messages[leading:]:
         role = message["role"]
         if role in SYSTEM_ROLES:
-            text = _text(message["content"])
+            text = _text(message.get("content"))
             if not text:
                 continue
             if len(out) > opened and out[-1]["role"] in ("user", "tool") and not pending:
@@ -80,7 +80,7 @@ def _joined(system: list[Message]) -> list[Message]:
     """The system messages that open a conversation as one, or none where all are empty."""
     if len(system) == 1 and system[0]["role"] == "system":
         return list(system)
-    text = "\n\n".join(t for t in (_text(m["content"]) for m in system) if t)
+    text = "\n\n".join(t for t in (_text(m.get("content")) for m in system) if t)
     return [{"role": "system", "content": text}] if text else []
 
 

@@ -29,6 +29,7 @@ from homelab_gateway.core.fields import (
     typed,
     usage_options,
 )
+from homelab_gateway.core.instructions import first_only
 from homelab_gateway.core.text import LONE_SURROGATE, replace_lone_surrogates
 
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
@@ -161,6 +162,7 @@ def map_request(
     previous_tool_ids: set[str] = set()
     for i, message in enumerate(raw_messages):
         previous_tool_ids = _message(message, f"messages.{i}", previous_tool_ids, messages, strip)
+    messages = first_only(messages)  # the templates take one system message, first
 
     out: dict[str, Any] = {"model": model.upstream_model, "messages": messages}
     max_tokens = body.get("max_tokens")
@@ -235,7 +237,7 @@ def _message(
         raise InvalidRequest(f"{where}: must be an object, got {kind_of(message)}")
     role = message.get("role")
     content = message.get("content")
-    if role == "system":  # Claude Code sends these inside messages; vLLM takes them in place
+    if role == "system":  # Claude Code sends these inside messages: `first_only` folds them
         text = _system_text(content, f"{where}.content", strip=strip)
         if text is not None:
             out.append({"role": "system", "content": text})

@@ -27,6 +27,7 @@ from homelab_gateway.core.fields import (
     is_int,
     kind_of,
 )
+from homelab_gateway.core.instructions import first_only
 from homelab_gateway.core.jsonscan import TopLevelObject
 from homelab_gateway.core.mapping import (
     CHARS_PER_TOKEN,
@@ -93,13 +94,18 @@ class OpenAIRequest:
 def map_openai(kind: str, body: Any, model: ModelConfig) -> OpenAIRequest:
     """Check `body` for surface `kind` and build the upstream request for `model`; raise
     InvalidRequest naming the field. The model's `params` go under the client's own fields,
-    and its `max_tokens` caps the output (`cap_output`); one choice per request (`n`)."""
+    and its `max_tokens` caps the output (`cap_output`); one choice per request (`n`). With
+    `system_messages = "first"`, a chat's later system messages are folded (`first_only`) for
+    the model's template, which refuses them in place."""
     client_model = request_model(body)
     prompt_field = _prompt_field(kind, body)
     prompt = body.get(prompt_field)
     _check_prompt(kind, prompt_field, prompt)
     out = merge(model.params, body)
     out["model"] = model.upstream_model
+    if kind == "chat" and model.system_messages == "first":
+        _check_contents(prompt)
+        out["messages"] = first_only(prompt)
     # vLLM's scheduler order is the gateway's to give (`forward_priority`), not a client's.
     out.pop("priority", None)
     least = 0 if kind == "completions" else 1  # 0 with `echo`: vLLM scores the prompt alone
@@ -161,6 +167,19 @@ def _prompt_field(kind: str, body: Mapping[str, Any]) -> str:
     if kind == "completions" and "prompt" not in body and "prompt_embeds" in body:
         return "prompt_embeds"
     return PROMPTS[kind]
+
+
+def _check_contents(messages: list[Mapping[str, Any]]) -> None:
+    """Each message's content is what `first_only` can fold an instruction into; otherwise
+    passed on unchecked, for the upstream to name."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            where = f"messages.{i}.content"
+            raise InvalidRequest(
+                f"{where}: must be a string, an array of parts or null, got {kind_of(content)}",
+                where,
+            )
 
 
 def _check_prompt(kind: str, name: str, prompt: Any) -> None:

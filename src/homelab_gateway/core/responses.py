@@ -27,6 +27,7 @@ from homelab_gateway.core.fields import (
     typed,
     usage_options,
 )
+from homelab_gateway.core.instructions import first_only
 from homelab_gateway.core.mapping import (
     MappedRequest,
     PackedRequest,
@@ -228,19 +229,21 @@ def _input(
 ) -> tuple[list[dict[str, Any]], set[str]]:
     """The chat messages for `input`, and the call ids it holds.
 
-    `instructions` and the system and developer messages that open the input become one
-    leading system message: chat templates reject "developer", and many take one system
-    message, first. A later one stays where it is, as a system message. Chat wants a call's
-    results right after the message that made it: assistant text that comes between a call
-    and its output joins that message, and images a tool returned follow all its results."""
+    `instructions` and every system and developer message go as system messages in order,
+    which `first_only` makes into what chat templates take: one system message, first, with
+    later ones folded into the turns beside them. Chat wants a call's results right after the
+    message that made it: assistant text (or an instruction's item) that comes between a call
+    and its output does not end that message, and images a tool returned follow all its
+    results."""
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list):
         raise InvalidRequest(
             f"input: must be a string or an array of items, got {kind_of(items)}", "input"
         )
-    system = [instructions] if instructions else []
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = (
+        [{"role": "system", "content": instructions}] if instructions else []
+    )
     calls: set[str] = set()  # every call id so far
     unanswered: set[str] = set()  # the calls of `holder` with no output yet
     holder: dict[str, Any] | None = None  # the assistant message the next call joins
@@ -269,10 +272,7 @@ def _input(
             role = item.get("role")
             if role in ("system", "developer"):
                 text = _text_content(item.get("content"), f"{where}.content")
-                if not out:
-                    system.append(text)
-                else:
-                    add({"role": "system", "content": text})
+                out.append({"role": "system", "content": text})  # no turn: calls go on
             elif role == "assistant":
                 text = _text_content(item.get("content"), f"{where}.content", assistant=True)
                 if holder is not None and unanswered:
@@ -332,11 +332,9 @@ def _input(
             )
     if images:
         out.append({"role": "user", "content": images})
-    if system:
-        out.insert(0, {"role": "system", "content": "\n\n".join(system)})
     if not any(message["role"] != "system" for message in out):
         raise InvalidRequest("input: holds no user or assistant message", "input")
-    return out, calls
+    return first_only(out), calls
 
 
 def _arguments(arguments: Any, where: str) -> str:
