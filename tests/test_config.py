@@ -111,6 +111,7 @@ def test_the_documented_example_parses(tmp_path: Path) -> None:
         "homelab-gateway-replicas.toml",
         "homelab-gateway-cluster.toml",
         "homelab-gateway-sentinel.toml",
+        "homelab-gateway-gpu.toml",
     ],
 )
 def test_shipped_example_config_parses(name: str) -> None:
