@@ -39,6 +39,19 @@ class Changes(SynchronousTestCase):
     def test_nothing_changed(self) -> None:
         self.assertEqual(self.changes(BASE), [])
 
+    def test_a_box_added_changed_or_removed_is_one_line(self) -> None:
+        one = {**BASE, "boxes": {"gpu0": {"memory": 24}}}
+        two = {**BASE, "boxes": {"gpu0": {"memory": 24, "min_resident": 5}, "gpu1": {"memory": 8}}}
+        self.assertEqual(self.changes(one), ["box 'gpu0' added (memory 24)"])
+        self.assertEqual(
+            config_changes(config(one, K="s1"), config(two, K="s1")),
+            ["box 'gpu1' added (memory 8)", "box 'gpu0': min_resident 30 -> 5"],
+        )
+        self.assertEqual(
+            config_changes(config(one, K="s1"), config(BASE, K="s1")),
+            ["box 'gpu0' removed: its upstreams are gone with it"],
+        )
+
     def test_each_kind_of_change_is_one_line(self) -> None:
         new = json.loads(json.dumps(BASE))
         new["server"] = {"ping_interval": 5, "listen": "tcp:9000"}

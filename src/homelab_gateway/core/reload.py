@@ -41,6 +41,13 @@ def config_changes(old: Config, new: Config) -> list[str]:
         removed="takes no new requests, finishes what it holds",
     )
     changes += _table_changes(
+        "box",
+        old.boxes,
+        new.boxes,
+        added=lambda b: f"(memory {_show(b.memory)})",
+        removed="its upstreams are gone with it",
+    )
+    changes += _table_changes(
         "model",
         old.models,
         new.models,
