@@ -5,8 +5,9 @@ slot held 10 ms (the line drains in 25 s), no sockets, so the count does not dep
 reports made, per waiter, and per second of waiting for the waiters that waited 1 s or more
 (their first frame and the position 1 that comes with the slot included).
 
-Each report is made into the bytes a streaming client would get (`surfaces.stream.QUEUE_FRAME`, with the
-line's `estimate` as `EventStream` asks it), and the run prints a digest of all of them in the
+Each report is made into the bytes a streaming client would get
+(`surfaces.stream.QUEUE_FRAME`, with the line's `estimate` as `EventStream` asks it), and the
+run prints a digest of all of them in the
 order they were made: a change to the limiter or the estimate that must not change what
 clients see keeps the digest. `--repeat N` times the run N times (best process CPU time, the
 whole drain: grants, renumbering passes, estimates, frame bytes) and `--clients K` spreads the
