@@ -16,7 +16,6 @@ from twisted.web.server import Site
 
 import homelab_gateway.upstream as upstream_package
 from homelab_gateway.config import ConfigError, parse_config
-from homelab_gateway.config.tables import PRIORITY_KINDS, UPSTREAM_KINDS
 from homelab_gateway.core.errors import ContextOverflow
 from homelab_gateway.upstream.kinds import KINDS, Health
 from homelab_gateway.upstream.kinds.llamacpp import LLAMA_CPP
@@ -444,10 +443,3 @@ def test_the_upstream_side_imports_nothing_of_the_surfaces(module: str) -> None:
     names = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     names += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
     assert not [n for n in names if n.startswith("homelab_gateway.surfaces")], names
-
-
-def test_the_config_knows_every_kind_by_its_name_and_which_take_a_priority() -> None:
-    assert tuple(KINDS) == UPSTREAM_KINDS
-    assert tuple(name for name, kind in KINDS.items() if kind.priority is not None) == (
-        PRIORITY_KINDS
-    )

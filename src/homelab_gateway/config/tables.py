@@ -29,16 +29,15 @@ from homelab_gateway.config.keys import (
     subtable,
 )
 from homelab_gateway.config.listen import endpoint_problem
+from homelab_gateway.upstream.kinds import KINDS
 
 DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
 PRIORITY_CLASSES = ("interactive", "normal", "batch")  # best first; line.CLASSES agrees
 SHOW_REASONING = ("always", "when_requested")
 LOG_FORMATS = ("text", "json")
-UPSTREAM_KINDS = ("vllm", "llama.cpp", "ollama", "openai")  # "openai": any other server
-"""The names of `upstream.kinds.KINDS`, which the config checks without importing them (the
-kinds import the core, which imports the config); a test holds the two equal."""
-PRIORITY_KINDS = ("vllm",)
-"""The kinds whose requests take a scheduling priority (`forward_priority`); tested likewise."""
+UPSTREAM_KINDS = tuple(KINDS)  # vllm, llama.cpp, ollama, openai (any other server)
+PRIORITY_KINDS = tuple(name for name, kind in KINDS.items() if kind.priority is not None)
+"""The kinds whose requests take a scheduling priority (`forward_priority`)."""
 SYSTEM_MESSAGES = ("as_sent", "first")
 
 

@@ -14,8 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from homelab_gateway.config import ModelConfig
 from homelab_gateway.core.fields import (
     InvalidRequest,
@@ -30,7 +28,7 @@ from homelab_gateway.core.fields import (
     usage_options,
 )
 from homelab_gateway.core.instructions import first_only
-from homelab_gateway.core.text import LONE_SURROGATE, replace_lone_surrogates
+from homelab_gateway.core.text import LONE_SURROGATE, dumps, replace_lone_surrogates
 
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -91,17 +89,6 @@ class PackedRequest:
         if head == b"{}":
             return self.json
         return head[:-1] + b"," + self.json[1:]
-
-
-def dumps(document: Any) -> bytes:
-    """Compact UTF-8 JSON, in a buffer of its own size: orjson's is sized for the worst case
-    (several times the text), and a waiter keeps its body for minutes. orjson refuses what
-    Python's json takes from a client (a lone surrogate escape, an integer past 64 bits):
-    those are written by the standard library."""
-    try:
-        return bytes(memoryview(orjson.dumps(document)))
-    except orjson.JSONEncodeError:
-        return json.dumps(document, separators=(",", ":")).encode()
 
 
 def request_model(body: Any) -> str:

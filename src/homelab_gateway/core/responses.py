@@ -31,13 +31,12 @@ from homelab_gateway.core.instructions import first_only
 from homelab_gateway.core.mapping import (
     MappedRequest,
     PackedRequest,
-    dumps,
     estimate_tokens,
     merge,
     request_model,
 )
 from homelab_gateway.core.response_tools import Offered, offered_tools, tool_choice
-from homelab_gateway.core.text import replace_lone_surrogates
+from homelab_gateway.core.text import dumps, replace_lone_surrogates
 
 HOSTED_ITEMS = frozenset(
     {

@@ -1,11 +1,15 @@
 """Text as JSON can spell it and UTF-8 cannot carry it: lone surrogates, and numbers that are
-no JSON. Every surface reads requests and answers through these, the translator included."""
+no JSON; and JSON written whatever a client sent (`dumps`). Every surface reads requests and
+answers through these, the translator included."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
+
+import orjson
 
 LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 """A surrogate left in a decoded JSON string is a lone one (json joins an escaped pair): no
@@ -32,3 +36,14 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"the number {text[:40]} is out of range")
     return value
+
+
+def dumps(document: Any) -> bytes:
+    """Compact UTF-8 JSON, in a buffer of its own size: orjson's is sized for the worst case
+    (several times the text), and a waiter keeps its body for minutes. orjson refuses what
+    Python's json takes from a client (a lone surrogate escape, an integer past 64 bits):
+    those are written by the standard library."""
+    try:
+        return bytes(memoryview(orjson.dumps(document)))
+    except orjson.JSONEncodeError:
+        return json.dumps(document, separators=(",", ":")).encode()

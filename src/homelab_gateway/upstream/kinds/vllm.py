@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from homelab_gateway.core.errors import ContextOverflow, upstream_message
-from homelab_gateway.core.mapping import dumps
+from homelab_gateway.core.text import dumps
 from homelab_gateway.upstream.kinds.base import Health, Kind, answered, root
 
 _N = r"(\d+)"
