@@ -274,9 +274,8 @@ class Residency:
     def _failed(self, r: Resident, failure: ServerFailed | None, now: float, started: bool) -> None:
         """A start that failed is tried again at once; the second in a row fails its waiters
         and refuses new requests for the upstream's `cooldown`. A server that exits once
-        loaded is started again by the next request for it."""
-        reason = str(failure) if failure is not None else "failed"
-        log.error("{upstream}: {reason}", upstream=r.name, reason=reason)
+        loaded is started again by the next request for it. (The server's own log line says
+        why, with its last lines.)"""
         if not started:
             return
         r.failed_starts += 1
@@ -284,6 +283,11 @@ class Residency:
             return
         r.failed_starts = 0
         r.cool_until = now + r.config.cooldown
+        log.error(
+            "{upstream}: failed to start twice: its requests are refused for {cooldown:g}s",
+            upstream=r.name,
+            cooldown=r.config.cooldown,
+        )
         short = failure.reason if failure is not None else "failed"
         error = GatewayError(
             503,
