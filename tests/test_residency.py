@@ -25,7 +25,14 @@ import pytest
 
 from homelab_gateway.core.residency import IDLE_GRACE
 from testsupport.client import get_json
-from testsupport.processes import TWISTD, Process, free_port, start_gateway, wait_until
+from testsupport.processes import (
+    TWISTD,
+    Process,
+    free_port,
+    start_gateway,
+    start_stub,
+    wait_until,
+)
 
 LOAD_TIME = 1.0  # the stubs' --load-time: seconds before their port opens
 MIN_RESIDENT = 1.0
@@ -239,15 +246,18 @@ async def until(condition: Any, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """gpu0 (10): a and b (6 each, never together); gpu1 (10): c (4, idle_unload 1); gpu2
-    (10): d, which never answers its health probe within its load_timeout."""
+    """gpu0 (10): a and b (6 each, never together); gpu1 (10): c (4, idle_unload 1); gpu2 (10):
+    d, which never answers its health probe within its load_timeout; gpu3 (10): e, which
+    serves `mshared` with u, always loaded. Each test but those on gpu0 has a box to itself."""
     cwd = tmp_path_factory.mktemp("residency")
     fast = ("--load-time", str(LOAD_TIME), "--delay", "0.001")
-    ports = {name: free_port() for name in "abcd"}
+    ports = {name: free_port() for name in "abcde"}
+    always, always_url = start_stub(cwd, "--delay", "0.001")
     config = (
         box_table("gpu0", 10)
         + box_table("gpu1", 10)
         + box_table("gpu2", 10)
+        + box_table("gpu3", 10)
         + managed("a", "gpu0", 6, stub_argv(ports["a"], *fast), ports["a"])
         + managed("b", "gpu0", 6, stub_argv(ports["b"], *fast), ports["b"])
         + managed("c", "gpu1", 4, stub_argv(ports["c"], *fast), ports["c"], idle_unload=1)
@@ -260,13 +270,19 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             load_timeout=1,
             cooldown=COOLDOWN,
         )
+        + managed("e", "gpu3", 4, stub_argv(ports["e"], *fast), ports["e"])
+        + f'[upstreams.u]\nurl = "{always_url}"\nslots = 1\n\n'
+        + '[models.mshared]\nupstreams = ["u", "e"]\n\n'
     )
-    process, url = start_gateway(cwd, config)
-    gateway = Gateway(process, url, cwd)
     try:
-        yield gateway
+        process, url = start_gateway(cwd, config)
+        gateway = Gateway(process, url, cwd)
+        try:
+            yield gateway
+        finally:
+            stop_leaves_nothing(gateway)
     finally:
-        stop_leaves_nothing(gateway)
+        always.stop()
 
 
 def test_a_cold_start_says_unloaded_then_loading_and_answers_then_idle_unload(box: Gateway) -> None:
@@ -399,6 +415,32 @@ def test_a_server_never_healthy_fails_its_waiter_then_cools_down(box: Gateway) -
     # The stub's own start-up lines, under the upstream's name, are among them.
     assert re.search(r"d: .*homelab-stub|d: .*twistd", log), log[-2000:]
     box.wait_state("d", "unloaded", timeout=COOLDOWN + 5)  # tried again by the next request
+
+
+def test_a_managed_replica_beside_an_always_loaded_one_is_loaded_when_that_one_is_full(
+    box: Gateway,
+) -> None:
+    """`mshared` is served by u (always loaded, one slot) and e (managed): a request finds u
+    free and loads nothing; one that must wait while u streams loads e, and is served there.
+    Its queue frames carry no state: its model is loaded (on u), only not free."""
+    box.wait_state("e", "unloaded")
+    alone = asyncio.run(send(box.url, "messages", "mshared"))
+    assert completed("messages", alone), alone.text
+    assert box.started("e") == [] and box.state("e") == "unloaded"
+
+    async def scenario() -> tuple[Answer, Answer]:
+        long = asyncio.create_task(send(box.url, "messages", "mshared", "long"))
+        await until(lambda: box.status()["upstreams"]["u"]["in_use"] == 1)
+        waiter = await send(box.url, "messages", "mshared")
+        return await long, waiter
+
+    long, waiter = asyncio.run(scenario())
+    assert completed("messages", long), long.text[-500:]
+    assert completed("messages", waiter), waiter.text
+    assert waiter.states() == [], waiter.text
+    assert waiter.done < long.done, "served by e while u still streamed"
+    assert box.state("e") == "loaded"
+    assert len(box.started("e")) == 1
 
 
 def test_probes_listings_and_status_reads_load_nothing(tmp_path: Path) -> None:
