@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+import urllib.error
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +235,14 @@ def completed(surface: str, answer: Answer) -> bool:
     return answer.events()[-1:] == [final]
 
 
+def readyz(url: str) -> dict[str, Any]:
+    """/readyz's body, whether it answered 200 or 503."""
+    try:
+        return get_json(url + "/readyz")
+    except urllib.error.HTTPError as e:
+        return json.load(e)
+
+
 async def until(condition: Any, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(condition):
@@ -300,6 +309,7 @@ def test_a_cold_start_says_unloaded_then_loading_and_answers_then_idle_unload(bo
     # The answer ended: it is loaded, for at most idle_unload (1 s) plus a turn from now.
     assert status["upstreams"]["c"]["state"] == "loaded"
     assert status["boxes"]["gpu1"] == {"memory": 10, "used": 4, "loaded": ["c"]}
+    assert readyz(box.url)["upstreams"]["c"]["ready"], "ready at once, not at the next probe"
 
     box.wait_state("c", "unloaded", timeout=10)
     idle_for = time.monotonic() - answer.done
@@ -409,6 +419,7 @@ def test_a_server_never_healthy_fails_its_waiter_then_cools_down(box: Gateway) -
     assert "upstream d failed to start twice" in error["message"]
     assert len(box.started("d")) - before == 2
     assert box.state("d") == "failed"
+    assert readyz(box.url)["upstreams"]["d"] == {"ready": False, "detail": "failed"}
     refused = asyncio.run(send(box.url, "chat", "md", stream=False))
     assert refused.status == 503, refused.text
     assert refused.done - refused.sent < 0.5 * COOLDOWN
@@ -457,7 +468,10 @@ def test_probes_listings_and_status_reads_load_nothing(tmp_path: Path) -> None:
         models = get_json(url + "/llm/v1/models")
         assert "ma" in [m["id"] for m in models["data"]]
         assert get_json(url + "/llm/v1/models/ma")["id"] == "ma"
-        assert get_json(url + "/readyz")["status"] == "ready"
+        assert readyz(url) == {
+            "status": "ready",
+            "upstreams": {"a": {"ready": True, "detail": "unloaded"}},
+        }
         assert gateway.state("a") == "unloaded"
         assert get_json(url + "/llm/v1/status")["boxes"]["gpu0"]["used"] == 0
         get_json(url + "/healthz")
