@@ -17,6 +17,7 @@ import re
 import signal
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +234,14 @@ def completed(surface: str, answer: Answer) -> bool:
         return bool(answer.lines) and answer.lines[-1][1] == "data: [DONE]"
     final = {"messages": "message_stop", "responses": "response.completed"}[surface]
     return answer.events()[-1:] == [final]
+
+
+def post_json(url: str, document: dict[str, Any]) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(document).encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.load(response)
 
 
 def readyz(url: str) -> dict[str, Any]:
@@ -457,11 +466,16 @@ def test_a_managed_replica_beside_an_always_loaded_one_is_loaded_when_that_one_i
     assert len(box.started("e")) == 1
 
 
-def test_probes_listings_and_status_reads_load_nothing(tmp_path: Path) -> None:
-    """With everything unloaded, model listings, status reads and readiness probes start no
-    server: a managed upstream not loaded is ready."""
+def test_probes_listings_and_status_reads_load_nothing_and_a_stop_ends_a_load(
+    tmp_path: Path,
+) -> None:
+    """With everything unloaded, model listings, status reads, readiness probes and a token
+    count start no server: a managed upstream not loaded is ready. Then a request starts one
+    that takes long to load: the gateway's SIGTERM fails the waiting stream and leaves no
+    process behind."""
     port = free_port()
-    config = box_table("gpu0", 10) + managed("a", "gpu0", 6, stub_argv(port), port)
+    argv = stub_argv(port, "--load-time", "30")
+    config = box_table("gpu0", 10) + managed("a", "gpu0", 6, argv, port)
     process, url = start_gateway(tmp_path, config)
     gateway = Gateway(process, url, tmp_path)
     try:
@@ -472,14 +486,27 @@ def test_probes_listings_and_status_reads_load_nothing(tmp_path: Path) -> None:
             "status": "ready",
             "upstreams": {"a": {"ready": True, "detail": "unloaded"}},
         }
-        assert gateway.state("a") == "unloaded"
         assert get_json(url + "/llm/v1/status")["boxes"]["gpu0"]["used"] == 0
         get_json(url + "/healthz")
+        count = post_json(url + "/llm/v1/messages/count_tokens", body("messages", "ma"))
+        assert count["input_tokens"] > 0
         assert gateway.state("a") == "unloaded"
         assert gateway.started() == []
         assert not (tmp_path / "run" / "a.json").exists()
+
+        async def stopped_while_loading() -> Answer:
+            waiting = asyncio.create_task(send(url, "messages", "ma"))
+            await until(lambda: gateway.state("a") == "loading")
+            process.signal(signal.SIGTERM)
+            return await waiting
+
+        answer = asyncio.run(stopped_while_loading())
+        assert answer.states() == ["unloaded", "loading"], answer.text
+        assert answer.events()[-1] == "error", answer.text
+        assert len(gateway.started("a")) == 1
     finally:
         stop_leaves_nothing(gateway)
+    assert not (tmp_path / "run" / "a.json").exists()
 
 
 def test_a_new_gateway_adopts_the_server_a_killed_one_left_and_its_stop_leaves_nothing(
