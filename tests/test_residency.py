@@ -394,7 +394,8 @@ def test_a_crashed_server_fails_its_stream_and_the_next_request_loads_it_again(
     box: Gateway,
 ) -> None:
     """The loaded server's whole group is killed while it streams: the stream ends with the
-    surface's error event, and the next request starts the server again and is answered."""
+    surface's error event, and the next request starts the server again and is answered; its
+    queue frames' estimate is the previous load's time."""
 
     async def scenario() -> tuple[Answer, int]:
         long = asyncio.create_task(send(box.url, "messages", "ma", "long"))
@@ -411,6 +412,11 @@ def test_a_crashed_server_fails_its_stream_and_the_next_request_loads_it_again(
     again = asyncio.run(send(box.url, "messages", "ma"))
     assert again.status == 200, again.text
     assert completed("messages", again), again.text
+    # Its wait, told while unloaded, is a's last load: learned, not guessed.
+    first = next(q for _, line in again.lines if (q := queue_of(line)) is not None)
+    loaded_in = float(re.findall(r"\ba: loaded in ([\d.]+)s", box.log())[-2])
+    assert first["state"] == "unloaded"
+    assert abs(first["estimated_wait_s"] - loaded_in) <= 0.1, (first, loaded_in)
     assert box.pid("a") != pid
     assert box.state("a") == "loaded"
 
