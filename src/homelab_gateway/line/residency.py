@@ -7,6 +7,10 @@ not hold it (`Replica.resident`); its waiters wait in its line as any waiter doe
 of who waits or holds a slot on a managed upstream (`PositionedSemaphore.watcher`) and every
 change of a server's state plans again, once per reactor turn. A waiting stream hears its
 model's state in its queue frames (`waiting_state`), told again at once when it changes.
+
+A managed upstream may share its line with always-loaded replicas (a model with `upstreams`):
+it takes that line's waiters as its own, so it is loaded once they wait (the others are full),
+and their frames carry no state (their model is loaded, only busy).
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ class Resident:
     def model(self, now: float) -> Model:
         line = self.pool.line
         running = self.pool.replica.held
-        waiting = len(line.dispatch)
+        waiting = len(line.dispatch)  # its line's waiters, retries included
         if running or waiting:
             self.idle_since = None
         elif self.idle_since is None:
