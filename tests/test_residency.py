@@ -266,7 +266,9 @@ async def until(condition: Any, timeout: float = 20.0) -> None:
 def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """gpu0 (10): a and b (6 each, never together); gpu1 (10): c (4, idle_unload 1); gpu2 (10):
     d, which never answers its health probe within its load_timeout; gpu3 (10): e, which
-    serves `mshared` with u, always loaded. Each test but those on gpu0 has a box to itself."""
+    serves `mshared` with u, always loaded; gpu4 (10): f, whose server never answers, serving
+    `mflaky` with v, always loaded (u and v are one stub). Each test but those on gpu0 has a
+    box to itself."""
     cwd = tmp_path_factory.mktemp("residency")
     fast = ("--load-time", str(LOAD_TIME), "--delay", "0.001")
     ports = {name: free_port() for name in "abcde"}
@@ -291,6 +293,10 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         + managed("e", "gpu3", 4, stub_argv(ports["e"], *fast), ports["e"])
         + f'[upstreams.u]\nurl = "{always_url}"\nslots = 1\n\n'
         + '[models.mshared]\nupstreams = ["u", "e"]\n\n'
+        + box_table("gpu4", 10)
+        + managed("f", "gpu4", 4, ["sleep", "600"], free_port(), load_timeout=1, cooldown=30)
+        + f'[upstreams.v]\nurl = "{always_url}"\nslots = 1\n\n'
+        + '[models.mflaky]\nupstreams = ["v", "f"]\n\n'
     )
     try:
         process, url = start_gateway(cwd, config)
@@ -470,6 +476,28 @@ def test_a_managed_replica_beside_an_always_loaded_one_is_loaded_when_that_one_i
     assert waiter.done < long.done, "served by e while u still streamed"
     assert box.state("e") == "loaded"
     assert len(box.started("e")) == 1
+
+
+def test_a_managed_replica_that_fails_leaves_its_models_waiters_to_the_loaded_one(
+    box: Gateway,
+) -> None:
+    """`mflaky` is served by v (always loaded, one slot) and f, managed, whose server never
+    answers. A request waits while v's slot is held: f is loaded for it and fails twice; the
+    waiter is not failed with f (v still serves its model), and v answers it once free."""
+
+    async def scenario() -> Answer:
+        stall = asyncio.create_task(send(box.url, "messages", "mflaky", "stall"))
+        await until(lambda: box.status()["upstreams"]["v"]["in_use"] == 1)
+        waiter = asyncio.create_task(send(box.url, "messages", "mflaky"))
+        await until(lambda: box.state("f") == "failed")
+        assert not waiter.done(), waiter.result().text
+        stall.cancel()  # the client leaves: v's slot is free
+        return await waiter
+
+    answer = asyncio.run(scenario())
+    assert answer.status == 200, answer.text
+    assert completed("messages", answer), answer.text
+    assert len(box.started("f")) == 2
 
 
 def test_probes_listings_and_status_reads_load_nothing_and_a_stop_ends_a_load(

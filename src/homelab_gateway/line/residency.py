@@ -277,7 +277,8 @@ class Residency:
 
     def _failed(self, r: Resident, failure: ServerFailed | None, now: float, started: bool) -> None:
         """A start that failed is tried again at once; the second in a row fails its waiters
-        and refuses new requests for the upstream's `cooldown`. A server that exits once
+        and refuses new requests for the upstream's `cooldown` (its line's waiters fail only
+        if no other replica of their model is there to serve them). A server that exits once
         loaded is started again by the next request for it. (The server's own log line says
         why, with its last lines.)"""
         if not started:
@@ -301,7 +302,9 @@ class Residency:
             outcome="upstream_failed",
         )
         r.pool.refusal = error
-        r.pool.line.source.fail_waiting(error)
+        line = r.pool.line
+        if all(getattr(m.owner, "refusal", None) is not None for m in line.members):
+            line.source.fail_waiting(error)  # else another replica of the model serves them
 
     def close(self) -> Deferred[object]:
         """Stop every server the gateway started (the daemon's stop, after its drain)."""
