@@ -543,6 +543,35 @@ def test_probes_listings_and_status_reads_load_nothing_and_a_stop_ends_a_load(
     assert not (tmp_path / "run" / "a.json").exists()
 
 
+def test_a_reload_that_changes_start_restarts_the_server_once_it_has_nothing_running(
+    tmp_path: Path,
+) -> None:
+    """SIGHUP with a new `start` for a loaded, idle upstream: its server is stopped, and the
+    next request starts the new command."""
+    port = free_port()
+
+    def config(*options: str) -> str:
+        argv = stub_argv(port, "--load-time", "0.5", *options)
+        return box_table("gpu0", 10) + managed("a", "gpu0", 6, argv, port)
+
+    process, url = start_gateway(tmp_path, config())
+    gateway = Gateway(process, url, tmp_path)
+    try:
+        assert completed("messages", asyncio.run(send(url, "messages", "ma")))
+        old = gateway.pid("a")
+        (tmp_path / "gateway.toml").write_text(config("--content-tokens", "3"))
+        process.signal(signal.SIGHUP)
+        process.wait_for_line(r"a: restarting for its new start command")
+        gateway.wait_state("a", "unloaded")
+        assert not group(old)
+        answer = asyncio.run(send(url, "messages", "ma"))
+        assert answer.states() == ["unloaded", "loading"], answer.text
+        assert answer.text.count("text_delta") == 3, "the new command's answer"
+        assert gateway.started("a") == [old, gateway.pid("a")]
+    finally:
+        stop_leaves_nothing(gateway)
+
+
 def test_a_new_gateway_adopts_the_server_a_killed_one_left_and_its_stop_leaves_nothing(
     tmp_path: Path,
 ) -> None:
