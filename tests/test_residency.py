@@ -203,11 +203,20 @@ def body(surface: str, model: str, text: str = "hi", stream: bool = True) -> dic
     return request
 
 
-async def send(url: str, surface: str, model: str, text: str = "hi", stream: bool = True) -> Answer:
-    """One request over HTTP/1.0 (no chunking: the body is the lines as sent)."""
+async def send(
+    url: str,
+    surface: str,
+    model: str,
+    text: str = "hi",
+    stream: bool = True,
+    into: Answer | None = None,
+) -> Answer:
+    """One request over HTTP/1.0 (no chunking: the body is the lines as sent); `into` is
+    filled as the lines arrive, for a caller that watches the answer while it runs."""
     payload = json.dumps(body(surface, model, text, stream)).encode()
     host, port = url.removeprefix("http://").split(":")
-    answer = Answer(sent=time.monotonic())
+    answer = into if into is not None else Answer()
+    answer.sent = time.monotonic()
     reader, writer = await asyncio.open_connection(host, int(port), limit=2**20)
     try:
         writer.write(
@@ -404,10 +413,10 @@ def test_a_crashed_server_fails_its_stream_and_the_next_request_loads_it_again(
     queue frames' estimate is the previous load's time."""
 
     async def scenario() -> tuple[Answer, int]:
-        long = asyncio.create_task(send(box.url, "messages", "ma", "long"))
-        await until(lambda: box.state("a") == "loaded")
+        running = Answer()
+        long = asyncio.create_task(send(box.url, "messages", "ma", "long", into=running))
+        await until(lambda: "text_delta" in running.text)
         pid = box.pid("a")
-        await until(lambda: box.status()["upstreams"]["a"]["in_use"] == 1)
         os.killpg(pid, signal.SIGKILL)
         return await long, pid
 
