@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -91,6 +92,19 @@ class Process:
                 self.popen.wait()
         return self.popen.returncode
 
+    def output_so_far(self) -> str:
+        """Everything the process wrote up to now, without waiting for more."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:
+                self.lines.put(None)  # a later call finds the end again
+                break
+            self.output.append(line)
+        return "".join(self.output)
+
     def all_output(self) -> str:
         """Everything the process wrote, once it has exited (read to the end of its output)."""
         while (line := self.lines.get(timeout=5)) is not None:
@@ -157,6 +171,13 @@ def start_gateway(
     match = re.search(r"http://127\.0\.0\.1:\d+", line)
     assert match is not None, line
     return process, match.group(0)
+
+
+def free_port() -> int:
+    """A port nothing listens on now: for a server the gateway itself starts later."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(condition: Any, timeout: float = 20.0) -> None:

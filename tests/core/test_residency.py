@@ -96,6 +96,15 @@ def test_idle_unload() -> None:
     assert plan(24, 30, [Model("a", 8, "loaded", idle_since=0.0)], now=1e9).unload == []
 
 
+def test_idle_unload_shorter_than_the_idle_grace_is_kept() -> None:
+    """`idle_unload` is the operator's own grace: it counts from the last request's end, and
+    the plan wakes for it even while IDLE_GRACE (a swap's grace) has not passed."""
+    assert IDLE_GRACE > 1
+    model = Model("a", 8, "loaded", loaded_at=0.0, idle_since=100.0, idle_unload=1.0)
+    assert plan(24, 30, [model], now=100).wake == 101.0
+    assert plan(24, 30, [model], now=101).unload == ["a"]
+
+
 # The simulated box: one tick a second, one class, each line FIFO.
 @dataclass
 class Server:

@@ -175,6 +175,20 @@ class Servers(Managed):
         self.assertFalse(server.state_file.exists())
 
     @async_test
+    async def test_a_second_failure_reports_the_lines_of_its_own_run(self) -> None:
+        server = self.server(
+            sh("echo warming up; echo still warming; exec sleep 1000"),
+            always("loading"),
+            load_timeout=1.0,
+        )
+        for _ in range(2):
+            await self.assertFailure(server.load(), ServerFailed)
+            await wait_for(lambda: server.state == "failed", what="failed")
+        final = self.states[-1][1]
+        assert final is not None
+        self.assertEqual(final.lines, ("warming up", "still warming"))
+
+    @async_test
     async def test_a_command_that_does_not_exist_fails_its_load(self) -> None:
         server = self.server(["/nonexistent/vllm", "serve"], always("loading"))
         failure = await self.assertFailure(server.load(), ServerFailed)

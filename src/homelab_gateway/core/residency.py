@@ -76,7 +76,7 @@ def plan(memory: float, min_resident: float, models: Iterable[Model], now: float
     out = Plan()
     free = memory - sum(m.memory for m in models if m.state in HOLDING)
     for m in models:
-        if m.state == "loaded" and m.idle_unload and _idle(m, now) and m.idle_since is not None:
+        if m.state == "loaded" and m.idle_unload and _unused(m) and m.idle_since is not None:
             if now - m.idle_since >= m.idle_unload:
                 out.unload.append(m.name)
             else:
@@ -145,7 +145,12 @@ def _least_deserving_first(models: list[Model], now: float) -> list[Model]:
     return idle + running_only + waited
 
 
+def _unused(m: Model) -> bool:
+    return not m.running and not m.waiting
+
+
 def _idle(m: Model, now: float) -> bool:
-    if m.running or m.waiting:
+    """Unused for `IDLE_GRACE`: another model may have its memory at once."""
+    if not _unused(m):
         return False
     return m.idle_since is None or now - m.idle_since >= IDLE_GRACE

@@ -7,6 +7,10 @@ not hold it (`Replica.resident`); its waiters wait in its line as any waiter doe
 of who waits or holds a slot on a managed upstream (`PositionedSemaphore.watcher`) and every
 change of a server's state plans again, once per reactor turn. A waiting stream hears its
 model's state in its queue frames (`waiting_state`), told again at once when it changes.
+
+A managed upstream may share its line with always-loaded replicas (a model with `upstreams`):
+it takes that line's waiters as its own, so it is loaded once they wait (the others are full),
+and their frames carry no state (their model is loaded, only busy).
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class Resident:
     def model(self, now: float) -> Model:
         line = self.pool.line
         running = self.pool.replica.held
-        waiting = len(line.dispatch)
+        waiting = len(line.dispatch)  # its line's waiters, retries included
         if running or waiting:
             self.idle_since = None
         elif self.idle_since is None:
@@ -279,10 +283,10 @@ class Residency:
 
     def _failed(self, r: Resident, failure: ServerFailed | None, now: float, started: bool) -> None:
         """A start that failed is tried again at once; the second in a row fails its waiters
-        and refuses new requests for the upstream's `cooldown`. A server that exits once
-        loaded is started again by the next request for it."""
-        reason = str(failure) if failure is not None else "failed"
-        log.error("{upstream}: {reason}", upstream=r.name, reason=reason)
+        and refuses new requests for the upstream's `cooldown` (its line's waiters fail only
+        if no other replica of their model is there to serve them). A server that exits once
+        loaded is started again by the next request for it. (The server's own log line says
+        why, with its last lines.)"""
         if not started:
             return
         r.failed_starts += 1
@@ -290,6 +294,11 @@ class Residency:
             return
         r.failed_starts = 0
         r.cool_until = now + r.config.cooldown
+        log.error(
+            "{upstream}: failed to start twice: its requests are refused for {cooldown:g}s",
+            upstream=r.name,
+            cooldown=r.config.cooldown,
+        )
         short = failure.reason if failure is not None else "failed"
         error = GatewayError(
             503,
@@ -299,7 +308,9 @@ class Residency:
             outcome="upstream_failed",
         )
         r.pool.refusal = error
-        r.pool.line.source.fail_waiting(error)
+        line = r.pool.line
+        if all(getattr(m.owner, "refusal", None) is not None for m in line.members):
+            line.source.fail_waiting(error)  # else another replica of the model serves them
 
     def close(self) -> Deferred[object]:
         """Stop every server the gateway started (the daemon's stop, after its drain)."""

@@ -106,9 +106,11 @@ class Readiness:
         for name, probe in self.probes.items():
             fresh = probe.at is not None and now - probe.at <= 2 * self.interval
             pool = self.pools.get(name)
-            if pool is not None and pool.resident is not None and pool.resident.state != "loaded":
-                # Loaded on demand: ready to be loaded, unless its starts failed.
-                state = pool.resident.state
+            resident = pool.resident if pool is not None else None
+            if resident is not None and (resident.state != "loaded" or not fresh):
+                # Loaded on demand: ready to be loaded, unless its starts failed; just loaded
+                # (its health answered the load), ready until the probe's next round says.
+                state = resident.state
                 upstreams[name] = {"ready": state != "failed", "detail": state}
                 continue
             circuit = pool.replica.circuit if pool is not None else None

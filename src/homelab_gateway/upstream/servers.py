@@ -7,6 +7,9 @@ named by the upstream; the last lines are kept for the failure report. It is loa
 health probe answers "ready". A `SleepingServer` is a vLLM server in sleep mode: it stays up,
 and loading and unloading are its wake_up and sleep endpoints.
 
+Their log says what happens to the process (started, adopted, stopped, killed) and why one
+failed; the states themselves (loaded, unloaded) are the residency's to log.
+
 Both report each change of state through `on_state(state, failure)`: `loading`, `loaded`,
 `unloading` and `unloaded` as the gateway asks, and `failure` (a `ServerFailed`) when the server
 exits, is not healthy within `load_timeout`, or cannot be put to sleep; such a change goes
@@ -175,11 +178,14 @@ class ManagedServer(_Resident):
     def _start(self) -> None:
         if self._adopt() or self.state == "unloading":
             return  # adopted, or stopping a server of another config first
+        self.lines.clear()  # a failure reports this run's lines
         try:
             running = spawn(self.reactor, self.name, self.argv, self.lines, self._exited)
         except OSError as e:
-            self._set("failed", ServerFailed(f"could not start: {e}"))
-            self._fire(self._loads, self.failure)
+            failure = ServerFailed(f"could not start: {e}")
+            log.error("{upstream}: {why}", upstream=self.name, why=failure)
+            self._set("failed", failure)
+            self._fire(self._loads, failure)
             return
         self._running = running
         self._record()
@@ -268,9 +274,6 @@ class ManagedServer(_Resident):
     def _loaded(self) -> None:
         assert self._running is not None
         self.load_seconds = self.clock.seconds() - self._since
-        log.info(
-            "{upstream}: loaded in {seconds:.1f}s", upstream=self.name, seconds=self.load_seconds
-        )
         if self._running.output is None:  # adopted: its exit is seen by polling
             self._timer = self.clock.callLater(self.poll_interval, self._poll)
         self._set("loaded")
@@ -334,7 +337,6 @@ class ManagedServer(_Resident):
         if self._cause is not None:
             self._set("failed", ServerFailed(self._cause, self.lines))
         else:
-            log.info("{upstream}: stopped", upstream=self.name)
             self._set("unloaded")
         self._fire(self._unloads)
         if self._loads and self.state in ("unloaded", "failed"):
@@ -467,7 +469,6 @@ class SleepingServer(_Resident):
             self._fire(self._loads, failure)
             return
         self.load_seconds = self.clock.seconds() - self._since
-        log.info("{upstream}: awake in {s:.1f}s", upstream=self.name, s=self.load_seconds)
         self._set("loaded")
         self._fire(self._loads)
 
@@ -477,7 +478,6 @@ class SleepingServer(_Resident):
             log.error("{upstream}: {why}", upstream=self.name, why=failure)
             self._set("failed", failure)
         else:
-            log.info("{upstream}: asleep", upstream=self.name)
             self._set("unloaded")
         self._fire(self._unloads)
         if self._loads and self.state in ("unloaded", "failed"):
