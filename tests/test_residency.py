@@ -570,7 +570,7 @@ def test_a_reload_that_changes_start_restarts_the_server_once_it_has_nothing_run
         old = gateway.pid("a")
         (tmp_path / "gateway.toml").write_text(config("--content-tokens", "3"))
         process.signal(signal.SIGHUP)
-        process.wait_for_line(r"a: restarting for its new start command")
+        process.wait_for_line(r"a: stopping, for its new start command")
         gateway.wait_state("a", "unloaded")
         assert not group(old)
         answer = asyncio.run(send(url, "messages", "ma"))

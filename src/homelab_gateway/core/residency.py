@@ -19,8 +19,10 @@ waiter, a grant, a finished request, a load, an exit) and at the `Plan.wake` it 
    more grants (`Plan.hold`) and is unloaded once its running requests end: no answer is ever
    cut for a swap. Nothing is given up unless the room is enough.
 
-`min_resident` makes work for one model go together: two clients alternating two models that
-do not fit together swap at most once per `min_resident` plus a drain. A waiter at the head of
+`min_resident` makes work for one model go together: a model with work keeps the memory that
+long, and each load serves every request then waiting for that model, so two clients calling
+two models that do not fit together load each once per run of requests, not once per call (an
+idle model still goes after `IDLE_GRACE`: nobody waits for it). A waiter at the head of
 its model's line waits at most for the requests ahead of it in the line's order on the models
 holding the memory, plus the load of the model in its place, its `min_resident`, one drain (the
 longest running request), one stop and one load (docs/operations.md, "Models loaded on

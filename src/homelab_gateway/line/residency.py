@@ -241,7 +241,10 @@ class Residency:
             server.argv = list(r.new_start)
             r.new_start = None
         elif server.state == "loaded" and not r.pool.replica.held:
-            log.info("{upstream}: restarting for its new start command", upstream=r.name)
+            log.info(
+                "{upstream}: stopping, for its new start command (the next request starts it)",
+                upstream=r.name,
+            )
             self._grant_if(r, False)
             server.unload().addErrback(lambda _: None)
 
@@ -305,7 +308,7 @@ class Residency:
             f"upstream {r.name} failed to start twice: {short}; tried again in "
             f"{r.config.cooldown:g}s",
             retry_after=round(r.config.cooldown),
-            outcome="upstream_failed",
+            outcome="upstream_error",
         )
         r.pool.refusal = error
         line = r.pool.line
