@@ -223,8 +223,8 @@ class Residency:
         r.server.load().addErrback(lambda _: None)  # told through state_changed
 
     def _unload(self, r: Resident, box: BoxConfig, now: float) -> None:
-        idle = r.idle_since is not None and now - r.idle_since
-        if r.config.idle_unload and idle is not False and idle >= r.config.idle_unload:
+        idle = None if r.idle_since is None else now - r.idle_since
+        if r.config.idle_unload and idle is not None and idle >= r.config.idle_unload:
             why = f"idle for {idle:.0f}s"
         else:
             why = f"another model on box {box.name} needs its memory"
