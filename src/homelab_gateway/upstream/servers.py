@@ -32,6 +32,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from homelab_gateway.upstream.kinds.base import root
 from homelab_gateway.upstream.processes import Running, group_alive, signal_group, spawn, start_time
 
 log = Logger()
@@ -364,30 +365,6 @@ class HTTPClient(Protocol):
     def post(self, url: str, **kwargs: Any) -> Deferred[Any]: ...
 
 
-def server_root(url: str) -> str:
-    """An upstream's url without its /v1: where vLLM and llama.cpp serve /health."""
-    url = url.rstrip("/")
-    return url.removesuffix("/v1")
-
-
-def health_probe(client: HTTPClient, url: str) -> Probe:
-    """GET {root}/health: 200 is ready (vLLM, llama.cpp), 503 still loading (llama.cpp), no
-    answer is down (vLLM opens its port only once loaded)."""
-    health = server_root(url) + "/health"
-
-    async def probe() -> str:
-        try:
-            response = await client.get(health)
-            await response.content()
-        except CancelledError:
-            raise
-        except Exception:
-            return "down"
-        return {200: "ready", 503: "loading"}.get(response.code, "down")
-
-    return probe
-
-
 class SleepingServer(_Resident):
     """A vLLM server in sleep mode (`--enable-sleep-mode`, VLLM_SERVER_DEV_MODE=1): it stays up;
     loaded is awake, unloaded is asleep at level 1. The gateway never starts or stops it."""
@@ -405,7 +382,7 @@ class SleepingServer(_Resident):
         poll_interval: float = 0.5,
     ) -> None:
         super().__init__(name, on_state, clock)
-        self.root = server_root(url)
+        self.root = root(url)
         self.client = client
         self.load_timeout = load_timeout
         self.stop_timeout = stop_timeout
