@@ -95,15 +95,15 @@ class Shared:
     """The buckets in the cluster's Redis. Tokens that could not be sent are sent with the
     next spend or check, as spent then."""
 
-    def __init__(self, cluster: RedisTokens) -> None:
-        self.cluster = cluster
+    def __init__(self, buckets: RedisTokens) -> None:
+        self.buckets = buckets
         self.unsent: dict[str, int] = {}
         self._known: dict[str, int] = {}  # each client's tokens at its last check, and since
 
     def spend(self, client: str, tokens: int) -> None:
         self._known[client] = self._known.get(client, 0) + tokens
         tokens += self.unsent.pop(client, 0)
-        sent = self.cluster.tokens_call("spend", client, quota.WINDOW, tokens)
+        sent = self.buckets.tokens_call("spend", client, quota.WINDOW, tokens)
         sent.addErrback(self._unsent, client, tokens)
 
     def _unsent(self, failure: Any, client: str, tokens: int) -> None:
@@ -112,10 +112,10 @@ class Shared:
     def wait(self, client: str, limit: int) -> Deferred[float | None]:
         for name, tokens in list(self.unsent.items()):  # Redis may be back
             del self.unsent[name]
-            self.cluster.tokens_call("spend", name, quota.WINDOW, tokens).addErrback(
+            self.buckets.tokens_call("spend", name, quota.WINDOW, tokens).addErrback(
                 self._unsent, name, tokens
             )
-        asked = self.cluster.tokens_call("spent", client, quota.WINDOW, limit)
+        asked = self.buckets.tokens_call("spent", client, quota.WINDOW, limit)
         return asked.addCallback(self._waited, client, limit)
 
     def _waited(self, reply: list[Any], client: str, limit: int) -> float | None:
